@@ -1,0 +1,35 @@
+"""torchrun helper for tests/test_dist.py: exercises torch_distributed_zero_first and object collectives.
+
+usage: zero_first.py OUT_DIR MODE   (MODE: ok | fail)
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from utils import dist
+from utils.errors import UserError
+from utils.logging import setup_logging
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+info = dist.dist_info()
+setup_logging(info.rank, info.world_size)
+dist.init_distributed(info, torch.device("cpu"))
+try:
+    with dist.torch_distributed_zero_first(info.local_rank):
+        if info.local_rank == 0:
+            time.sleep(2)  # a slow scan: the other rank must wait, not race ahead
+            if mode == "fail":
+                raise UserError("data.yaml: simulated scan failure")
+            (out / "made").write_text("by rank 0")
+        # every rank reads what the local master made
+        (out / f"read{info.rank}").write_text((out / "made").read_text())
+    gathered = dist.all_gather_object(info.rank * 10)
+    decided = dist.broadcast_object(f"decision from rank {info.rank}")
+    (out / f"result{info.rank}").write_text(f"{gathered} {decided}")
+except UserError as e:
+    print(f"ERROR rank {info.rank}: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+finally:
+    dist.cleanup_distributed()

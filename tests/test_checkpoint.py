@@ -1,0 +1,83 @@
+"""Checkpoints: atomic writes, weights_only loading, RNG round trips, clear errors."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from utils import checkpoint as ck
+from utils.errors import UserError
+
+
+def _ckpt(value: float) -> dict:
+    return {"model_yaml": {"nc": 1}, "model": {"w": torch.full((3,), value)}, "epoch": 1, "args": {"p": "x"}}
+
+
+def test_roundtrip_loads_with_weights_only(tmp_path):
+    f = tmp_path / "last.pt"
+    ck.save_checkpoint({**_ckpt(1.0), "rng": ck.rng_states(), "versions": ck.versions()}, f)
+    data = torch.load(f, weights_only=True)
+    assert torch.equal(data["model"]["w"], torch.ones(3))
+    assert ck.load_checkpoint(f)["epoch"] == 1
+
+
+def test_kill_mid_save_keeps_previous_file(tmp_path, monkeypatch):
+    f = tmp_path / "last.pt"
+    ck.save_checkpoint(_ckpt(1.0), f)
+
+    def dying_save(obj, fh):
+        fh.write(b"partial bytes")
+        raise KeyboardInterrupt  # a kill arriving half-way through the write
+
+    monkeypatch.setattr(ck.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(_ckpt(2.0), f)
+    monkeypatch.undo()
+    assert torch.equal(ck.load_checkpoint(f)["model"]["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temp file left behind
+
+
+def test_truncated_and_foreign_files_are_user_errors(tmp_path):
+    f = tmp_path / "bad.pt"
+    ck.save_checkpoint(_ckpt(1.0), f)
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"bad\.pt: not a readable yolotrain checkpoint"):
+        ck.load_checkpoint(f)
+    g = tmp_path / "foreign.pt"
+    torch.save({"state": 1}, g)
+    with pytest.raises(UserError, match="not a yolotrain checkpoint"):
+        ck.load_checkpoint(g)
+    with pytest.raises(UserError, match="checkpoint not found"):
+        ck.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_pickled_objects_are_refused(tmp_path):
+    f = tmp_path / "pickled.pt"
+    torch.save({"model_yaml": {}, "model": torch.nn.Linear(1, 1)}, f)  # a whole module, YOLOv5 style
+    with pytest.raises(UserError, match="not a readable yolotrain checkpoint"):
+        ck.load_checkpoint(f)
+
+
+def test_rng_states_roundtrip(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    f = tmp_path / "rng.pt"
+    ck.save_checkpoint({**_ckpt(0.0), "rng": ck.rng_states()}, f)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    ck.set_rng_states(ck.load_checkpoint(f)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_strip_optimizer(tmp_path):
+    f = tmp_path / "best.pt"
+    ck.save_checkpoint({**_ckpt(1.0), "optimizer": {"state": {}}, "ema_updates": 3}, f)
+    ck.strip_optimizer(f)
+    data = ck.load_checkpoint(f)
+    assert "optimizer" not in data and data["stripped"] is True
+
+
+def test_to_plain_makes_weights_only_safe_values(tmp_path):
+    from pathlib import Path
+    plain = ck.to_plain({"p": Path("/a"), "t": (1, 2), "n": np.float32(0.5), "a": np.arange(2)})
+    assert plain == {"p": "/a", "t": [1, 2], "n": 0.5, "a": [0, 1]}

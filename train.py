@@ -1,0 +1,328 @@
+#!/usr/bin/env python
+"""Train a YOLO detector on a YOLO-format dataset, on one CPU or many GPUs.
+
+    python train.py                                   # built-in shapes dataset, CPU friendly
+    torchrun --nproc_per_node 4 train.py --data my.yaml --cfg models/yolov5s.yaml --batch-size 64
+
+The story, top to bottom: devices and process group -> run folder -> data -> model -> optimizer
+-> (resume) -> epochs of train_one_epoch + val.run on every rank -> checkpoints from rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch.distributed.elastic.multiprocessing.errors import record
+from tqdm import tqdm
+
+import val as validate
+from models.yolo import Model, de_parallel
+from utils import dist
+from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
+                              set_rng_states, strip_optimizer, to_plain, versions)
+from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
+from utils.errors import UserError
+from utils.loader import create_dataloader
+from utils.logging import LOGGER, colorstr, setup_logging
+from utils.loss import ComputeLoss
+from utils.optim import EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda, smart_optimizer
+from utils.runs import ResultsCSV, increment_path, latest_checkpoint
+
+
+def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
+    p.add_argument("--cfg", default=str(ROOT / "models" / "yolov5n.yaml"), help="model yaml")
+    p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
+    p.add_argument("--epochs", type=int, default=15, help="total training epochs (sized for the quick built-in run)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch size, split over all ranks")
+    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=320, help="train and val image size (pixels)")
+    p.add_argument("--rect", action="store_true", help="rectangular training batches")
+    p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
+    p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
+    p.add_argument("--optimizer", default="SGD", choices=("SGD", "Adam", "AdamW"))
+    p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
+    p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
+    p.add_argument("--patience", type=int, default=100, help="early stop after this many epochs without improvement")
+    p.add_argument("--val-batch-size", type=int, default=32, help="validation images per batch (per rank)")
+    p.add_argument("--noval", action="store_true", help="only validate the final epoch")
+    p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
+    p.add_argument("--name", default="exp", help="save to project/name")
+    p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
+    p.add_argument("--seed", type=int, default=0, help="global training seed")
+    p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or a given last.pt")
+    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(opt: argparse.Namespace) -> None:
+    info = dist.dist_info(opt.local_rank)
+    setup_logging(info.rank, info.world_size)
+    ckpt = resolve_resume(opt) if opt.resume else None
+    device = dist.select_device(opt.device, opt.batch_size, info)
+    dist.init_distributed(info, device)
+    try:
+        train(opt, info, device, ckpt)
+    finally:
+        dist.cleanup_distributed()
+
+
+def resolve_resume(opt: argparse.Namespace) -> dict:
+    """Find the checkpoint to continue and restore the run's saved arguments into opt."""
+    path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
+    if path is None:
+        raise UserError(f"--resume: no last.pt found under {opt.project}")
+    ckpt = load_checkpoint(path)
+    if "optimizer" not in ckpt:
+        raise UserError(f"{path}: this run finished (its optimizer state was stripped); nothing to resume")
+    keep = {"device": opt.device, "workers": opt.workers, "local_rank": opt.local_rank}
+    vars(opt).update(ckpt["args"])
+    vars(opt).update(keep, resume=str(path), save_dir=str(Path(path).parent.parent))
+    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 1} of {opt.epochs}")
+    return ckpt
+
+
+def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None) -> None:
+    # Run folder: chosen on rank 0, shared so every rank agrees on it.
+    save_dir = Path(opt.save_dir) if ckpt else increment_path(Path(opt.project) / opt.name, opt.exist_ok)
+    save_dir = Path(dist.broadcast_object(str(save_dir)))
+    weights_dir = save_dir / "weights"
+    hyp = Hyp(**ckpt["hyp"]) if ckpt else load_hyp(opt.hyp)
+    opt.save_dir = str(save_dir)
+    if info.is_main:
+        weights_dir.mkdir(parents=True, exist_ok=True)
+        if not ckpt:
+            _write_yaml(save_dir / "hyp.yaml", hyp.as_dict())
+            _write_yaml(save_dir / "opt.yaml", to_plain(vars(opt)))
+    LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.as_dict().items()))
+
+    # Data description (a built-in dataset is generated once per node).
+    with dist.torch_distributed_zero_first(info.local_rank):
+        data = load_data_config(opt.data)
+        prepare_dataset(data)
+    names = ["item"] if opt.single_cls else data.names
+    nc = len(names)
+
+    # Model: identical initial weights on every rank (DDP also broadcasts rank 0's at wrap time).
+    init_seeds(opt.seed)
+    model = Model(ckpt["model_yaml"] if ckpt else opt.cfg, nc=nc).to(device)
+    if ckpt:
+        model.load_state_dict(ckpt["model"])
+    info_row = model.info(opt.imgsz)
+    gs = max(int(model.stride.max()), 32)
+    imgsz = check_img_size(opt.imgsz, gs)
+
+    # Data loaders: batch size per rank; the train sampler reshuffles each epoch from the seed.
+    batch = opt.batch_size // info.world_size
+    common = dict(stride=gs, single_cls=opt.single_cls, rank=info.rank, world_size=info.world_size,
+                  local_rank=info.local_rank, workers=opt.workers, seed=opt.seed, nc=nc, cache_dir=opt.cache_dir)
+    train_loader, train_set = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
+                                                shuffle=not opt.rect, prefix="train: ", **common)
+    val_loader, _ = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ", **common)
+    _check_labels(train_set, nc, data.file)
+
+    # Optimizer, schedule, EMA, loss.
+    accumulate = accumulate_steps(opt.batch_size)
+    decay = hyp.weight_decay * opt.batch_size * accumulate / 64
+    optimizer = smart_optimizer(model, opt.optimizer, hyp.lr0, hyp.momentum, decay)
+    lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
+    ema = ModelEMA(model)
+    amp = device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
+    stopper = EarlyStopping(patience=opt.patience)
+    start_epoch, best_fitness = 0, 0.0
+    if ckpt:
+        start_epoch, best_fitness = restore_training_state(ckpt, optimizer, ema, scaler, stopper)
+    scheduler.last_epoch = start_epoch - 1
+    model = dist.smart_DDP(model, device)
+    compute_loss = ComputeLoss(model, loss_hyp(hyp, de_parallel(model).detect.nl, nc, imgsz))
+    nb = len(train_loader)
+    warmup = Warmup(iters=max(round(hyp.warmup_epochs * nb), 100), bias_lr=hyp.warmup_bias_lr,
+                    momentum0=hyp.warmup_momentum, momentum=hyp.momentum)
+    results_csv = ResultsCSV(save_dir / "results.csv")
+    if info.is_main and ckpt:
+        results_csv.truncate_after(start_epoch - 1)
+    LOGGER.info(f"{info.world_size} rank(s) x {batch} images = global batch {batch * info.world_size}, "
+                f"accumulate {accumulate}; {len(train_set)} train images, {nb} batches/epoch per rank; "
+                f"image size {imgsz}; {info_row.parameters:,} parameters, {info_row.gflops:.1f} GFLOPs\n"
+                f"Logging results to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
+
+    t_start = time.time()
+    state = dict(last_opt_step=-1, accumulate=accumulate, accumulate_max=accumulate)
+    metrics, epoch = None, start_epoch - 1
+    for epoch in range(start_epoch, opt.epochs):
+        train_loader.sampler.set_epoch(epoch)
+        mloss = train_one_epoch(model, train_loader, optimizer, ema, scaler, compute_loss, warmup, lf,
+                                epoch, opt.epochs, device, amp, state)
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        scheduler.step()
+        final = epoch + 1 == opt.epochs
+        result = None
+        if not opt.noval or final:
+            result = validate.run(ema.ema, val_loader, device, names, compute_loss=compute_loss, prefix="val: ")
+            metrics = result.metrics
+        fitness = metrics.fitness() if result else 0.0
+        stop = dist.broadcast_object(stopper(epoch, fitness) and not final)
+        is_best = fitness >= best_fitness and result is not None
+        best_fitness = max(best_fitness, fitness)
+        if info.is_main:
+            m = metrics
+            row = [*mloss.tolist(), *([m.mp, m.mr, m.map50, m.map] if result else [0.0] * 4),
+                   *(result.loss if result else [0.0] * 3), *lrs]
+            results_csv.append(epoch, row)
+            LOGGER.info(f"epoch {epoch + 1}/{opt.epochs}: box {row[0]:.4f} obj {row[1]:.4f} cls {row[2]:.4f}"
+                        + (f" | P {m.mp:.3f} R {m.mr:.3f} mAP50 {m.map50:.3f} mAP50-95 {m.map:.4f}" if result else "")
+                        + f" | {time.time() - t_start:.0f}s")
+            ckpt_out = make_checkpoint(model, ema, optimizer, scaler, stopper, epoch, best_fitness, hyp, opt,
+                                       names, metrics, info.world_size)
+            save_checkpoint(ckpt_out, weights_dir / "last.pt")
+            if is_best:
+                save_checkpoint(ckpt_out, weights_dir / "best.pt")
+        if stop:
+            break
+
+    if info.is_main:
+        finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper, data.file, imgsz)
+
+
+def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup, lf, epoch, epochs, device,
+                    amp, state) -> torch.Tensor:
+    """One pass over this rank's shard; returns the mean [box, obj, cls] loss averaged over ranks."""
+    model.train()
+    nb = len(loader)
+    mloss = torch.zeros(3, device=device)
+    world = dist.get_world_size()
+    bar = tqdm(enumerate(loader), total=nb, disable=dist.get_rank() != 0, bar_format="{l_bar}{bar:10}{r_bar}",
+               desc=f"{epoch + 1}/{epochs}")
+    for i, batch in bar:
+        ni = i + nb * epoch  # integrated batch count since the start of training
+        imgs = batch.images.to(device, non_blocking=True).float() / 255
+        warmup.apply(optimizer, ni, lf, epoch)
+        if ni <= warmup.iters:
+            state["accumulate"] = max(1, round(float(np.interp(ni, [0, warmup.iters], [1, state["accumulate_max"]]))))
+        with torch.autocast(device.type, enabled=amp):
+            pred = model(imgs)
+            loss, loss_items = compute_loss(pred, batch.targets.to(device))
+        if world > 1:
+            loss = loss * world  # DDP averages gradients over ranks; YOLOv5's loss is a sum over the batch
+        scaler.scale(loss).backward()
+        if ni - state["last_opt_step"] >= state["accumulate"]:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            ema.update(model)
+            state["last_opt_step"] = ni
+        mloss = (mloss * i + loss_items) / (i + 1)
+        if bar.disable is False:
+            bar.set_postfix_str(f"box {mloss[0]:.4f} obj {mloss[1]:.4f} cls {mloss[2]:.4f} "
+                                f"n {batch.targets.shape[0]} {imgs.shape[-1]}px", refresh=False)
+    return dist.reduce_mean(mloss).cpu()
+
+
+def loss_hyp(hyp: Hyp, nl: int, nc: int, imgsz: int) -> Hyp:
+    """Scale the loss gains to the number of detection layers, classes and image size (YOLOv5 rules)."""
+    return dataclasses.replace(hyp, box=hyp.box * 3 / nl, cls=hyp.cls * nc / 80 * 3 / nl,
+                               obj=hyp.obj * (imgsz / 640) ** 2 * 3 / nl)
+
+
+def make_checkpoint(model, ema, optimizer, scaler, stopper, epoch, best_fitness, hyp, opt, names, metrics,
+                    world_size) -> dict:
+    """Everything an exact continuation needs, in weights_only-safe types."""
+    return {
+        "epoch": epoch,
+        "best_fitness": float(best_fitness),
+        "model_yaml": to_plain(de_parallel(model).yaml),
+        "model": fp32_state_dict(de_parallel(model)),
+        "ema": fp32_state_dict(ema.ema),
+        "ema_updates": ema.updates,
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "early_stop": stopper.state_dict(),
+        "rng": rng_states(),
+        "seed": opt.seed,
+        "world_size": world_size,
+        "hyp": hyp.as_dict(),
+        "args": to_plain(vars(opt)),
+        "names": list(names),
+        "metrics": metrics.as_dict() if metrics else {},
+        "versions": versions(),
+        "date": now_iso(),
+    }
+
+
+def restore_training_state(ckpt, optimizer, ema, scaler, stopper) -> tuple[int, float]:
+    optimizer.load_state_dict(ckpt["optimizer"])
+    ema.ema.load_state_dict(ckpt["ema"])
+    ema.updates = ckpt["ema_updates"]
+    if ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    stopper.best_fitness = ckpt["early_stop"]["best_fitness"]
+    stopper.best_epoch = ckpt["early_stop"]["best_epoch"]
+    set_rng_states(ckpt["rng"])
+    start = ckpt["epoch"] + 1
+    if start >= ckpt["args"]["epochs"]:
+        raise UserError(f"{ckpt['args'].get('resume')}: training to {ckpt['args']['epochs']} epochs is already done")
+    return start, ckpt["best_fitness"]
+
+
+def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, data_file, imgsz) -> None:
+    for f in (weights_dir / "last.pt", weights_dir / "best.pt"):
+        if f.exists():
+            strip_optimizer(f)
+    LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours; best epoch {stopper.best_epoch + 1} "
+                f"(fitness {stopper.best_fitness:.4f}).\nCheckpoints: {weights_dir / 'best.pt'}, {weights_dir / 'last.pt'}"
+                f"\nResults: {save_dir / 'results.csv'}\nReproduce the best epoch's metrics with:\n"
+                f"  python val.py --weights {weights_dir / 'best.pt'} --data {data_file} --imgsz {imgsz}")
+
+
+def init_seeds(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_img_size(imgsz: int, stride: int) -> int:
+    size = max(math.ceil(imgsz / stride) * stride, stride)
+    if size != imgsz:
+        LOGGER.warning(f"--imgsz {imgsz} must be a multiple of the stride {stride}; using {size}")
+    return size
+
+
+def _check_labels(dataset, nc: int, data_file: Path) -> None:
+    labels = [l for l in dataset.labels if len(l)]
+    if labels:
+        mlc = int(np.concatenate(labels, 0)[:, 0].max())
+        if mlc >= nc:
+            raise UserError(f"{data_file}: a label has class {mlc} but the dataset names only {nc} classes")
+
+
+def _write_yaml(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+@record
+def cli(argv: list[str] | None = None) -> int:
+    try:
+        main(parse_opt(argv))
+    except UserError as e:
+        LOGGER.error(f"ERROR: {e}") if LOGGER.handlers else print(f"ERROR: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,137 @@
+"""Box formats, IoU and NMS. IoU and NMS come from torchvision.ops (one well-kept implementation)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torchvision
+
+
+def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """[xc, yc, w, h] -> [x1, y1, x2, y2]."""
+    y = x.clone() if isinstance(x, torch.Tensor) else np.copy(x)
+    y[..., 0] = x[..., 0] - x[..., 2] / 2
+    y[..., 1] = x[..., 1] - x[..., 3] / 2
+    y[..., 2] = x[..., 0] + x[..., 2] / 2
+    y[..., 3] = x[..., 1] + x[..., 3] / 2
+    return y
+
+
+def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """[x1, y1, x2, y2] -> [xc, yc, w, h]."""
+    y = x.clone() if isinstance(x, torch.Tensor) else np.copy(x)
+    y[..., 0] = (x[..., 0] + x[..., 2]) / 2
+    y[..., 1] = (x[..., 1] + x[..., 3]) / 2
+    y[..., 2] = x[..., 2] - x[..., 0]
+    y[..., 3] = x[..., 3] - x[..., 1]
+    return y
+
+
+def xywhn2xyxy(x: np.ndarray, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> np.ndarray:
+    """Normalized [xc, yc, w, h] -> pixel [x1, y1, x2, y2] in an image of size w x h plus padding."""
+    y = np.copy(x)
+    y[..., 0] = w * (x[..., 0] - x[..., 2] / 2) + padw
+    y[..., 1] = h * (x[..., 1] - x[..., 3] / 2) + padh
+    y[..., 2] = w * (x[..., 0] + x[..., 2] / 2) + padw
+    y[..., 3] = h * (x[..., 1] + x[..., 3] / 2) + padh
+    return y
+
+
+def xyxy2xywhn(x: np.ndarray, w: float, h: float, clip: bool = False) -> np.ndarray:
+    """Pixel [x1, y1, x2, y2] -> normalized [xc, yc, w, h]; optionally clip to the image first."""
+    x = np.copy(x)
+    if clip:
+        x[..., [0, 2]] = x[..., [0, 2]].clip(0, w)
+        x[..., [1, 3]] = x[..., [1, 3]].clip(0, h)
+    y = np.empty_like(x)
+    y[..., 0] = (x[..., 0] + x[..., 2]) / 2 / w
+    y[..., 1] = (x[..., 1] + x[..., 3]) / 2 / h
+    y[..., 2] = (x[..., 2] - x[..., 0]) / w
+    y[..., 3] = (x[..., 3] - x[..., 1]) / h
+    return y
+
+
+def clip_boxes(boxes: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> None:
+    """Clip xyxy boxes in place to an image of shape (h, w)."""
+    h, w = shape[:2]
+    if isinstance(boxes, torch.Tensor):
+        boxes[..., 0].clamp_(0, w)
+        boxes[..., 1].clamp_(0, h)
+        boxes[..., 2].clamp_(0, w)
+        boxes[..., 3].clamp_(0, h)
+    else:
+        boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, w)
+        boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, h)
+
+
+def scale_boxes(
+    img1_shape: tuple[int, int],
+    boxes: torch.Tensor,
+    img0_shape: tuple[int, int],
+    ratio_pad: tuple | None = None,
+) -> torch.Tensor:
+    """Map xyxy boxes from a letterboxed image (img1_shape h, w) back to the original (img0_shape).
+
+    ratio_pad is ((ratio_h, ratio_w), (pad_w, pad_h)) as recorded by the loader; without it the
+    letterbox geometry is recomputed from the two shapes.
+    """
+    if ratio_pad is None:
+        gain = min(img1_shape[0] / img0_shape[0], img1_shape[1] / img0_shape[1])
+        pad = (img1_shape[1] - img0_shape[1] * gain) / 2, (img1_shape[0] - img0_shape[0] * gain) / 2
+    else:
+        gain = ratio_pad[0][0]
+        pad = ratio_pad[1]
+    boxes[..., [0, 2]] -= pad[0]
+    boxes[..., [1, 3]] -= pad[1]
+    boxes[..., :4] /= gain
+    clip_boxes(boxes, img0_shape)
+    return boxes
+
+
+def box_iou(box1: torch.Tensor, box2: torch.Tensor) -> torch.Tensor:
+    """Pairwise IoU (N, M) of xyxy boxes, from torchvision."""
+    return torchvision.ops.box_iou(box1, box2)
+
+
+def non_max_suppression(
+    prediction: torch.Tensor,
+    conf_thres: float = 0.25,
+    iou_thres: float = 0.45,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+    multi_label: bool = False,
+    max_det: int = 300,
+    max_nms: int = 30000,
+) -> list[torch.Tensor]:
+    """Per-image NMS on raw Detect output (B, N, 5 + nc) -> list of (n, 6) [x1, y1, x2, y2, conf, cls].
+
+    conf = objectness * class score. multi_label keeps every class above conf_thres for a box
+    (what mAP evaluation wants). No wall-clock limit: results never depend on machine speed.
+    """
+    if not 0 <= conf_thres <= 1 or not 0 <= iou_thres <= 1:
+        raise ValueError(f"conf_thres {conf_thres} and iou_thres {iou_thres} must lie in [0, 1]")
+    bs, nc = prediction.shape[0], prediction.shape[2] - 5
+    multi_label &= nc > 1
+    output = [torch.zeros((0, 6), device=prediction.device)] * bs
+    candidates = prediction[..., 4] > conf_thres
+    for i, x in enumerate(prediction):
+        x = x[candidates[i]]
+        if not x.shape[0]:
+            continue
+        scores = x[:, 5:] * x[:, 4:5]  # conf = obj * cls
+        box = xywh2xyxy(x[:, :4])
+        if multi_label:
+            i_box, j = (scores > conf_thres).nonzero(as_tuple=False).T
+            x = torch.cat((box[i_box], scores[i_box, j, None], j[:, None].float()), 1)
+        else:
+            conf, j = scores.max(1, keepdim=True)
+            x = torch.cat((box, conf, j.float()), 1)[conf.view(-1) > conf_thres]
+        if classes is not None:
+            x = x[(x[:, 5:6] == torch.tensor(classes, device=x.device)).any(1)]
+        if not x.shape[0]:
+            continue
+        if x.shape[0] > max_nms:  # keep the most confident before the O(n^2) step
+            x = x[x[:, 4].argsort(descending=True)[:max_nms]]
+        group = torch.zeros_like(x[:, 5]) if agnostic else x[:, 5]
+        keep = torchvision.ops.batched_nms(x[:, :4], x[:, 4], group, iou_thres)[:max_det]
+        output[i] = x[keep]
+    return output

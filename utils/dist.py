@@ -1,0 +1,211 @@
+"""Distributed helpers: the only module that reads torchrun's environment.
+
+Plain ``python train.py`` is world size 1 with no process group. Under ``torchrun`` every rank
+joins the default group (nccl on CUDA, gloo on CPU) plus a CPU gloo group used for object
+gathers and for the long waits of ``torch_distributed_zero_first``, which must survive a
+dataset scan far longer than an NCCL watchdog would tolerate.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils.errors import UserError
+from utils.logging import LOGGER
+
+_CPU_GROUP = None  # gloo group for object collectives and long waits (set by init_distributed)
+LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def dist_info(local_rank_flag: int = -1) -> DistInfo:
+    """Read torchrun's environment; a legacy ``--local-rank`` flag is used when LOCAL_RANK is unset."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", local_rank_flag if local_rank_flag >= 0 else 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistInfo(rank=rank, local_rank=local, world_size=world, local_world_size=local_world)
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None = None) -> torch.device:
+    """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', '0', '0,1', 'cuda:0'.
+
+    Under torchrun each rank takes ``cuda:LOCAL_RANK`` among the visible devices. A device that
+    is not there, or a global batch size that the world size does not divide, is a UserError.
+    """
+    info = info or dist_info()
+    spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+    if spec == "cpu" or (spec == "" and not torch.cuda.is_available()):
+        chosen = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        if spec:
+            ids = [s for s in spec.split(",") if s]
+            if not all(s.isdigit() for s in ids):
+                raise UserError(f"--device {device}: expected 'cpu' or CUDA indices like '0' or '0,1'")
+            n = torch.cuda.device_count()
+            missing = [s for s in ids if int(s) >= n]
+            if missing:
+                raise UserError(f"--device {device}: no CUDA device {','.join(missing)} (this machine has {n})")
+            if info.distributed and len(ids) < info.local_world_size:
+                raise UserError(f"--device {device}: {len(ids)} device(s) for {info.local_world_size} ranks on this node")
+            index = int(ids[info.local_rank if info.distributed else 0])
+        else:
+            index = info.local_rank if info.distributed else 0
+            if index >= torch.cuda.device_count():
+                raise UserError(f"local rank {index} has no CUDA device ({torch.cuda.device_count()} visible)")
+        chosen = torch.device("cuda", index)
+        torch.cuda.set_device(chosen)
+    if batch_size and batch_size % info.world_size:
+        raise UserError(f"--batch-size {batch_size} must be a multiple of the world size {info.world_size}")
+    if info.is_main:
+        if chosen.type == "cuda":
+            p = torch.cuda.get_device_properties(chosen)
+            LOGGER.info(f"torch {torch.__version__} CUDA:{chosen.index} ({p.name}, {p.total_memory / 2**30:.0f} GiB)"
+                        f" x {info.world_size} rank(s)")
+        else:
+            LOGGER.info(f"torch {torch.__version__} CPU ({torch.get_num_threads()} threads per rank)"
+                        f" x {info.world_size} rank(s)")
+    return chosen
+
+
+def init_distributed(info: DistInfo, device: torch.device) -> None:
+    """Join the process group (nccl for CUDA, gloo for CPU) and create the CPU gloo group."""
+    global _CPU_GROUP
+    if not info.distributed or is_dist():
+        return
+    backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+
+
+def cleanup_distributed() -> None:
+    """Leave the process group (safe to call when none exists)."""
+    global _CPU_GROUP
+    if is_dist():
+        dist.destroy_process_group()
+    _CPU_GROUP = None
+
+
+def cpu_group():
+    return _CPU_GROUP
+
+
+@contextmanager
+def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
+    """Let each node's local rank 0 do the work first (scan, cache, generate) while the others wait.
+
+    Every rank passes one CPU-group all-reduce: local masters after their work, the others before
+    theirs. The reduced value carries a failure flag, so if a master fails the waiting ranks stop
+    at once with a clear UserError instead of hanging until a timeout.
+    """
+    if not is_dist():
+        yield
+        return
+    if local_rank != 0:
+        _rendezvous(failed=False)
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        _rendezvous(failed=True, raise_on_failure=False)
+        raise
+    _rendezvous(failed=False)
+
+
+def _rendezvous(failed: bool, raise_on_failure: bool = True) -> None:
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, group=_CPU_GROUP)
+    if flag.item() and raise_on_failure:
+        raise UserError("a node's local rank 0 failed while preparing data (its error is shown above)")
+
+
+def barrier() -> None:
+    if is_dist():
+        dist.barrier(group=_CPU_GROUP)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Gather a picklable object from every rank (over the CPU group); world size 1 -> [obj]."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj, group=_CPU_GROUP)
+    return out
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Gather to rank ``dst`` only (others get None), over the CPU group."""
+    if not is_dist():
+        return [obj]
+    out = [None] * get_world_size() if get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=_CPU_GROUP)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s object on every rank: how decisions made once reach every rank."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    return box[0]
+
+
+def reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks (default group); identity at world size 1."""
+    if not is_dist():
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / get_world_size()
+
+
+def smart_DDP(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Wrap in DistributedDataParallel: device_ids on CUDA, none on CPU."""
+    if not is_dist():
+        return model
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:3] if v.isdigit())
+    if version[:2] == (1, 12) and version[2:] in ((), (0,)):
+        raise UserError("torch 1.12.0 has a DDP bug that breaks training; use another version")
+    if device.type == "cuda":
+        return DDP(model, device_ids=[device.index], output_device=device.index)
+    return DDP(model)

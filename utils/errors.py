@@ -1,0 +1,19 @@
+"""User-facing errors.
+
+A ``UserError`` is a problem with what the user gave us (a file, a flag, a yaml key). The
+entry points print its message without a traceback and exit non-zero on every rank.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UserError(Exception):
+    """Bad input from the user: the message must name the file or flag and the problem."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """Return " Did you mean 'x'?" for the closest choice, or '' when none is close."""
+    close = difflib.get_close_matches(str(word).strip(), list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""

@@ -1,0 +1,145 @@
+"""Samplers, batch collation and the DataLoader factory.
+
+Training: a seeded permutation per epoch, padded and sharded by rank; each sample carries its
+epoch so augmentation is seeded per sample. Evaluation: contiguous, batch-aligned shards with
+no padding, so every image is scored exactly once and rectangular batches match across ranks.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+import cv2
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from utils.dataset import LoadImagesAndLabels
+from utils.dist import torch_distributed_zero_first
+from utils.logging import LOGGER
+
+
+class Batch(NamedTuple):
+    """One collated batch. targets rows are [image index in batch, cls, xc, yc, w, h] normalised."""
+
+    images: torch.Tensor  # uint8 (B, 3, H, W) RGB
+    targets: torch.Tensor  # float32 (N, 6)
+    paths: tuple[str, ...]
+    shapes: tuple  # per image ((h0, w0), ((gain_h, gain_w), (pad_w, pad_h)))
+    indices: torch.Tensor  # int64 (B,) dataset indices
+
+
+def collate_fn(batch: list[tuple]) -> Batch:
+    """Stack images and concatenate labels, tagging each label row with its image's batch position."""
+    images, labels, paths, shapes, indices = zip(*batch)
+    targets = []
+    for i, lb in enumerate(labels):
+        lb = lb.clone()
+        lb[:, 0] = i
+        targets.append(lb)
+    return Batch(torch.stack(images, 0), torch.cat(targets, 0).float(), tuple(paths), tuple(shapes),
+                 torch.as_tensor(indices, dtype=torch.long))
+
+
+class TrainSampler(Sampler):
+    """Per-epoch seeded permutation, padded (or cut) to a multiple of world size, rank takes every ws-th.
+
+    Yields ``(epoch, index)`` so the dataset seeds augmentation from the sample, not the worker.
+    Call ``set_epoch`` before each epoch, as with DistributedSampler.
+    """
+
+    def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
+        self.shuffle, self.drop_last, self.epoch = shuffle, drop_last, 0
+        self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
+        self.total_size = self.num_samples * world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def global_indices(self) -> list[int]:
+        """This epoch's padded (or truncated) order across all ranks."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.n, generator=g).tolist()
+        else:
+            indices = list(range(self.n))
+        if self.total_size > len(indices) and indices:  # pad by repeating from the start
+            reps = math.ceil((self.total_size - len(indices)) / len(indices))
+            indices += (indices * reps)[: self.total_size - len(indices)]
+        return indices[: self.total_size]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        return iter([(epoch, i) for i in self.global_indices()[self.rank::self.world_size]])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class InferenceSampler(Sampler):
+    """Contiguous, batch-aligned shard per rank, no padding: every index exactly once across ranks."""
+
+    def __init__(self, size: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        nb = math.ceil(size / batch_size)
+        first, last = rank * nb // world_size, (rank + 1) * nb // world_size
+        self.start, self.stop = min(first * batch_size, size), min(last * batch_size, size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def _worker_init(_worker_id: int) -> None:
+    """One thread per worker: the workers are the parallelism (randomness is seeded per sample).
+
+    cv2.setNumThreads is deliberately not called here: in a forked worker, after the parent used
+    OpenCV's thread pool, it can deadlock (seen here in test_workers_do_not_change_batches).
+    """
+    torch.set_num_threads(1)
+
+
+def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, single_cls: bool = False,
+                      hyp: Any = None, augment: bool = False, cache: str | None = None, pad: float = 0.0,
+                      rect: bool = False, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                      workers: int = 8, shuffle: bool = False, seed: int = 0, nc: int = 80,
+                      cache_dir: Path | None = None, prefix: str = "") -> tuple[DataLoader, LoadImagesAndLabels]:
+    """DataLoader and dataset for one rank; ``batch_size`` is per rank.
+
+    ``shuffle=True`` marks a training loader (TrainSampler, equal batch count on every rank);
+    otherwise evaluation (InferenceSampler). Local rank 0 scans and caches first.
+    """
+    training = shuffle
+    if rect and shuffle:
+        LOGGER.warning("WARNING: --rect is incompatible with shuffling, setting shuffle=False")
+        shuffle = False
+    if cache:
+        LOGGER.warning(f"WARNING: --cache {cache} arrives in a later version; images are read from disk")
+    # Training shards interleave (rank::ws), so rectangle shapes are shared across a global batch;
+    # with drop_last no padded index from another batch lands in a rank's last batch.
+    dataset_bs = batch_size * world_size if (training and rect) else batch_size
+    with torch_distributed_zero_first(local_rank):
+        dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect, stride=stride,
+                                      pad=pad, single_cls=single_cls, nc=nc, seed=seed, cache_dir=cache_dir,
+                                      prefix=prefix, verbose=rank == 0)
+    batch_size = min(batch_size, len(dataset))
+    nw = min((os.cpu_count() or 1) // max(world_size, 1), batch_size if batch_size > 1 else 0, workers)
+    if training:
+        sampler: Sampler = TrainSampler(len(dataset), rank, world_size, seed, shuffle=shuffle,
+                                        drop_last=rect and world_size > 1)
+    else:
+        sampler = InferenceSampler(len(dataset), batch_size, rank, world_size)
+    if nw > 0:
+        cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw,
+                        pin_memory=torch.cuda.is_available(), collate_fn=collate_fn,
+                        persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None)
+    return loader, dataset

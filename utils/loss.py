@@ -1,0 +1,171 @@
+"""YOLOv5 v6 detection loss: CIoU box loss, IoU-weighted objectness, BCE classification.
+
+Hyperparameters come in explicitly (any object with attributes, or a mapping) rather than hanging
+off the model, so the loss can be built and tested without a training run.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import complete_box_iou_loss
+
+from models.yolo import de_parallel
+
+NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
+REQUIRED_HYP = ("box", "obj", "cls", "anchor_t")
+OPTIONAL_HYP = {"cls_pw": 1.0, "obj_pw": 1.0, "fl_gamma": 0.0, "label_smoothing": 0.0}
+
+
+def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
+    """Positive and negative BCE targets under label smoothing eps (1, 0 without it)."""
+    return 1.0 - 0.5 * eps, 0.5 * eps
+
+
+class FocalLoss(nn.Module):
+    """Focal loss on top of BCE-with-logits: down-weights easy examples by (1 - p_t)^gamma."""
+
+    def __init__(self, gamma: float = 1.5, alpha: float = 0.25) -> None:
+        super().__init__()
+        self.gamma, self.alpha = gamma, alpha
+
+    def forward(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight, reduction="none")
+        prob = pred.sigmoid()
+        p_t = true * prob + (1 - true) * (1 - prob)
+        alpha_factor = true * self.alpha + (1 - true) * (1 - self.alpha)
+        return (loss * alpha_factor * (1.0 - p_t) ** self.gamma).mean()
+
+
+def _read_hyp(hyp: Any) -> dict[str, float]:
+    """The loss's hyperparameters from a dataclass/namespace or a dict; required keys must exist."""
+    get = (lambda k, *d: hyp.get(k, *d)) if isinstance(hyp, Mapping) else (lambda k, *d: getattr(hyp, k, *d))
+    missing = [k for k in REQUIRED_HYP if get(k, None) is None]
+    if missing:
+        raise ValueError(f"ComputeLoss: hyperparameters {missing} are missing from {type(hyp).__name__}")
+    out = {k: float(get(k)) for k in REQUIRED_HYP}
+    out.update({k: float(get(k, d)) for k, d in OPTIONAL_HYP.items()})
+    return out
+
+
+class ComputeLoss:
+    """Loss for a Detect head's raw training outputs against normalized targets.
+
+    The Detect layer is read at every call (not copied), so anchors updated by autoanchor or
+    moved with model.to(device) are always the ones used.
+    """
+
+    def __init__(self, model: nn.Module, hyp: Any) -> None:
+        self.det = de_parallel(model).detect
+        self.hyp = _read_hyp(hyp)
+        self.cp, self.cn = smooth_bce(self.hyp["label_smoothing"])
+        g = self.hyp["fl_gamma"]
+        self.focal = FocalLoss(g) if g > 0 else None
+        self.nc, self.na, self.nl = self.det.nc, self.det.na, self.det.nl
+        self.balance = {3: [4.0, 1.0, 0.4]}.get(self.nl, [4.0, 1.0, 0.25, 0.06, 0.02])
+        self.gr = 1.0  # objectness target = gr * iou + (1 - gr)
+        self._pos_weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (total loss * batch size, shape (1,)) and detached [box, obj, cls] items."""
+        device = preds[0].device
+        targets = targets.to(device=device, dtype=torch.float32)
+        cls_pw, obj_pw = self._pos_weight(device)
+        lbox = torch.zeros(1, device=device)
+        lobj = torch.zeros(1, device=device)
+        lcls = torch.zeros(1, device=device)
+        tcls, tbox, indices, anchors = self.build_targets(preds, targets)
+        for i, pi in enumerate(preds):
+            b, a, gj, gi = indices[i]
+            tobj = torch.zeros(pi.shape[:4], dtype=torch.float32, device=device)
+            if b.shape[0]:
+                ps = pi[b, a, gj, gi].float()
+                pxy = ps[:, :2].sigmoid() * 2 - 0.5
+                # A collapsed side (sigmoid -> 0) would round to exactly 0 once torchvision rebuilds
+                # w, h from xyxy in float32, and atan(w / h) then back-propagates NaN. No real box is
+                # under 1e-3 grid cells, so the clamp changes nothing else.
+                pwh = ((ps[:, 2:4].sigmoid() * 2) ** 2 * anchors[i]).clamp(min=1e-3)
+                loss_box = complete_box_iou_loss(_xywh2xyxy(pxy, pwh), _xywh2xyxy(tbox[i][:, :2], tbox[i][:, 2:]))
+                lbox += loss_box.mean()
+                iou = (1.0 - loss_box).detach().clamp(0)  # CIoU of each match
+                tobj[b, a, gj, gi] = (1.0 - self.gr) + self.gr * iou
+                if self.nc > 1:  # one class needs no classifier
+                    t = torch.full_like(ps[:, 5:], self.cn)
+                    t[torch.arange(b.shape[0], device=device), tcls[i]] = self.cp
+                    lcls += self._bce(ps[:, 5:], t, cls_pw)
+            lobj += self._bce(pi[..., 4].float(), tobj, obj_pw) * self.balance[i]
+        lbox *= self.hyp["box"]
+        lobj *= self.hyp["obj"]
+        lcls *= self.hyp["cls"]
+        bs = preds[0].shape[0]
+        return (lbox + lobj + lcls) * bs, torch.cat((lbox, lobj, lcls)).detach()
+
+    def _bce(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor) -> torch.Tensor:
+        if self.focal is not None:
+            return self.focal(pred, true, pos_weight)
+        return F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight)
+
+    def _pos_weight(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """BCE pos_weight tensors, made once per device (avoids a host-to-device copy per step)."""
+        if device not in self._pos_weights:
+            self._pos_weights[device] = (
+                torch.tensor([self.hyp["cls_pw"]], device=device),
+                torch.tensor([self.hyp["obj_pw"]], device=device),
+            )
+        return self._pos_weights[device]
+
+    def build_targets(
+        self, preds: list[torch.Tensor], targets: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+        """Match every target to anchors (wh ratio < anchor_t) and to its cell plus 2 neighbours.
+
+        Returns per level: class ids, boxes (xy offset from the cell, wh; grid units), indices
+        (image, anchor, grid y, grid x) and the matched anchors (grid units).
+        """
+        device = targets.device
+        na, nt = self.na, targets.shape[0]
+        anchors_all = self.det.anchors.to(device)
+        ai = torch.arange(na, device=device, dtype=torch.float32).view(na, 1).expand(na, nt)
+        # (na, nt, 7): image, cls, x, y, w, h, anchor index
+        t_all = torch.cat((targets.unsqueeze(0).expand(na, nt, 6), ai[..., None]), 2)
+        g = NEIGHBOUR_OFFSET
+        off = torch.tensor([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1]], device=device, dtype=torch.float32) * g
+        tcls, tbox, indices, anch = [], [], [], []
+        for i, p in enumerate(preds):
+            ny, nx = p.shape[2], p.shape[3]
+            gain = torch.tensor([1, 1, nx, ny, nx, ny, 1], device=device, dtype=torch.float32)
+            t = t_all * gain  # to grid units
+            anchors = anchors_all[i]
+            if nt:
+                r = t[..., 4:6] / anchors[:, None]
+                t = t[torch.max(r, 1 / r).max(2)[0] < self.hyp["anchor_t"]]
+                gxy = t[:, 2:4]
+                gxi = gain[[2, 3]] - gxy  # distance from the far edges
+                left, top = ((gxy % 1 < g) & (gxy > 1)).T
+                right, bottom = ((gxi % 1 < g) & (gxi > 1)).T
+                keep = torch.stack((torch.ones_like(left), left, top, right, bottom))
+                t = t.unsqueeze(0).expand(5, -1, -1)[keep]
+                offsets = (torch.zeros_like(gxy)[None] + off[:, None])[keep]
+            else:
+                t = t_all[0]
+                offsets = torch.zeros((0, 2), device=device)
+            b, c = t[:, 0].long(), t[:, 1].long()
+            gxy, gwh, a = t[:, 2:4], t[:, 4:6], t[:, 6].long()
+            gij = (gxy - offsets).long()
+            gi = gij[:, 0].clamp(0, nx - 1)
+            gj = gij[:, 1].clamp(0, ny - 1)
+            indices.append((b, a, gj, gi))
+            tbox.append(torch.cat((gxy - torch.stack((gi, gj), 1), gwh), 1))
+            anch.append(anchors[a])
+            tcls.append(c)
+        return tcls, tbox, indices, anch
+
+
+def _xywh2xyxy(xy: torch.Tensor, wh: torch.Tensor) -> torch.Tensor:
+    """Centre/size halves -> (N, 4) corners, for torchvision's box losses."""
+    half = wh / 2
+    return torch.cat((xy - half, xy + half), 1)
+

@@ -1,0 +1,129 @@
+"""Optimizer groups, learning-rate schedules, warmup, EMA and early stopping."""
+from __future__ import annotations
+
+import math
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from utils.logging import LOGGER
+
+NOMINAL_BATCH = 64  # weight decay and accumulation are expressed for this global batch size
+
+
+def accumulate_steps(batch_size: int) -> int:
+    """Gradient accumulation so each optimizer step sees about NOMINAL_BATCH images."""
+    return max(round(NOMINAL_BATCH / batch_size), 1)
+
+
+def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,
+                    decay: float = 1e-5) -> torch.optim.Optimizer:
+    """Three parameter groups, in this order: biases (no decay), norm weights (no decay), other
+    weights (decay). Decay on BatchNorm scales or biases only shrinks them for no gain in accuracy;
+    Warmup relies on group 0 being the biases.
+    """
+    groups: tuple[list, list, list] = ([], [], [])
+    norms = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if pname == "bias":
+                groups[2].append(p)
+            elif pname == "weight" and isinstance(module, norms):
+                groups[0].append(p)
+            else:
+                groups[1].append(p)
+    if name == "Adam":
+        opt = torch.optim.Adam(groups[2], lr=lr, betas=(momentum, 0.999))
+    elif name == "AdamW":
+        opt = torch.optim.AdamW(groups[2], lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+    elif name == "SGD":
+        opt = torch.optim.SGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
+    else:
+        raise NotImplementedError(f"optimizer {name} not implemented")
+    opt.add_param_group({"params": groups[0], "weight_decay": 0.0})
+    opt.add_param_group({"params": groups[1], "weight_decay": decay})
+    LOGGER.info(f"optimizer: {name}(lr={lr}) with parameter groups {len(groups[0])} weight(decay=0.0), "
+                f"{len(groups[1])} weight(decay={decay}), {len(groups[2])} bias")
+    return opt
+
+
+def lr_lambda(epochs: int, lrf: float, cos: bool = False) -> Callable[[float], float]:
+    """Epoch -> LR multiplier: linear from 1 to lrf, or a one-cycle cosine."""
+    if cos:
+        return lambda x: ((1 - math.cos(x * math.pi / epochs)) / 2) * (lrf - 1) + 1
+    return lambda x: (1 - x / epochs) * (1.0 - lrf) + lrf
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum."""
+
+    iters: int
+    bias_lr: float
+    momentum0: float
+    momentum: float
+
+    def apply(self, optimizer: torch.optim.Optimizer, ni: int, epoch_lr: Callable[[float], float],
+              epoch: int) -> None:
+        if ni > self.iters:
+            return
+        xi = [0, self.iters]
+        for j, g in enumerate(optimizer.param_groups):
+            # param group 0 holds the biases (see smart_optimizer), which warm down from bias_lr
+            start = self.bias_lr if j == 0 else 0.0
+            g["lr"] = float(np.interp(ni, xi, [start, g["initial_lr"] * epoch_lr(epoch)]))
+            if "momentum" in g:
+                g["momentum"] = float(np.interp(ni, xi, [self.momentum0, self.momentum]))
+
+
+class ModelEMA:
+    """Exponential moving average of model weights with YOLOv5's ramped decay.
+
+    decay(updates) = d * (1 - exp(-updates / tau)): early updates follow the model closely, later
+    ones average over ~1/(1-d) steps. Kept in fp32 on every rank so validation can run anywhere.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0):
+        self.ema = deepcopy(_unwrap(model)).eval()
+        self.updates = updates
+        self.decay_fn = lambda x: decay * (1 - math.exp(-x / tau))
+        for p in self.ema.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = self.decay_fn(self.updates)
+        msd = _unwrap(model).state_dict()
+        for k, v in self.ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                v.mul_(d).add_(msd[k].detach(), alpha=1 - d)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)) else model
+
+
+class EarlyStopping:
+    """Stop when fitness has not improved for ``patience`` epochs (decided on rank 0, then broadcast)."""
+
+    def __init__(self, patience: int = 100, best_fitness: float = 0.0, best_epoch: int = 0):
+        self.patience = patience or float("inf")
+        self.best_fitness = best_fitness
+        self.best_epoch = best_epoch
+
+    def __call__(self, epoch: int, fitness: float) -> bool:
+        if fitness >= self.best_fitness:
+            self.best_epoch, self.best_fitness = epoch, fitness
+        stop = (epoch - self.best_epoch) >= self.patience
+        if stop:
+            LOGGER.info(f"Stopping early: no improvement in the last {self.patience} epochs; "
+                        f"best was epoch {self.best_epoch}. Use --patience 0 to disable.")
+        return stop
+
+    def state_dict(self) -> dict[str, float]:
+        return {"best_fitness": float(self.best_fitness), "best_epoch": int(self.best_epoch)}
