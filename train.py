@@ -86,7 +86,7 @@ def resolve_resume(opt: argparse.Namespace) -> dict:
     keep = {"device": opt.device, "workers": opt.workers, "local_rank": opt.local_rank}
     vars(opt).update(ckpt["args"])
     vars(opt).update(keep, resume=str(path), save_dir=str(Path(path).parent.parent))
-    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 1} of {opt.epochs}")
+    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 2} of {opt.epochs}")
     return ckpt
 
 

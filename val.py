@@ -196,7 +196,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     loader, _ = create_dataloader(split, imgsz, opt.batch_size, stride, single_cls=single_cls, rect=True, pad=0.5,
                                   rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
                                   workers=opt.workers, nc=len(names), cache_dir=opt.cache_dir, prefix=f"{opt.task}: ")
-    LOGGER.info(f"{weights}: epoch {ckpt.get('epoch', '?')}, {len(names)} classes, imgsz {imgsz}")
+    LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
                  half=opt.half, verbose=opt.verbose, prefix=f"{opt.task}: ")
     pre, inf, nms = result.speed_ms

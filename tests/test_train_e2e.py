@@ -85,3 +85,54 @@ def test_bad_data_yaml_single_process_exits_1_without_traceback(tmp_path):
     assert p.returncode == 1
     assert "bad.yaml: 'train' path not found" in p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
+
+
+def test_users_own_dataset_trains_unchanged(tiny_data, tmp_path):
+    """A plain YOLO dataset: absolute path, a .txt list for train, a folder for val, names as a list."""
+    from utils.config import load_data_config, prepare_dataset
+    prepare_dataset(load_data_config(tiny_data))  # make sure the images exist
+    src = tiny_data.parent / "shapes"
+    listing = tmp_path / "train.txt"
+    listing.write_text("".join(f"{p}\n" for p in sorted((src / "images" / "train").glob("*.jpg"))[:12]))
+    own = tmp_path / "own.yaml"
+    own.write_text(f"path: {src}\ntrain: {listing}\nval: images/val\n"
+                   "names: [circle, square, triangle, star, cross, ring]\n")
+    before = sorted(p.name for p in (src / "labels").rglob("*"))
+    p = _run([sys.executable, "train.py", "--data", str(own), "--epochs", "1", "--project", str(tmp_path / "runs"),
+              "--name", "own", "--cache-dir", str(tmp_path / "cache"), *TINY])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "runs" / "own" / "weights" / "best.pt").is_file()
+    assert "12 images" in p.stdout
+    # the dataset's own files are untouched (caches are added beside labels, never label edits)
+    assert [n for n in sorted(p.name for p in (src / "labels").rglob("*")) if not n.endswith(".npz")] == \
+           [n for n in before if not n.endswith(".npz")]
+
+
+def test_killed_run_resumes_where_it_stopped(tiny_data, tmp_path):
+    import os
+    import signal
+    import time
+    project = tmp_path / "runs"
+    args = [sys.executable, "train.py", "--data", str(tiny_data), "--epochs", "4", "--project", str(project),
+            "--name", "r", *TINY]
+    proc = subprocess.Popen(args, cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    results = project / "r" / "results.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (project / "r" / "weights" / "last.pt").exists():  # epoch 0 is checkpointed
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    ckpt = torch.load(project / "r" / "weights" / "last.pt", weights_only=True)  # intact despite the kill
+    assert ckpt["epoch"] < 3 and "optimizer" in ckpt
+    p = _run([sys.executable, "train.py", "--resume", str(project / "r" / "weights" / "last.pt"), "--workers", "0"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"Resuming {project / 'r' / 'weights' / 'last.pt'} from epoch {ckpt['epoch'] + 2} of 4" in p.stdout
+    rows = list(csv.DictReader(open(results)))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
+    final = torch.load(project / "r" / "weights" / "last.pt", weights_only=True)
+    assert final["epoch"] == 3 and "optimizer" not in final
+    p = _run([sys.executable, "train.py", "--resume", str(project / "r" / "weights" / "last.pt")])
+    assert p.returncode == 1 and "nothing to resume" in p.stdout + p.stderr
