@@ -28,7 +28,7 @@ from utils import dist
 from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
                               set_rng_states, strip_optimizer, to_plain, versions)
 from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
-from utils.errors import UserError
+from utils.errors import UserError, run_entry_point
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
@@ -316,13 +316,7 @@ def _write_yaml(path: Path, data: dict) -> None:
 
 @record
 def cli(argv: list[str] | None = None) -> int:
-    try:
-        main(parse_opt(argv))
-    except UserError as e:
-        LOGGER.error(f"ERROR: {e}") if LOGGER.handlers else print(f"ERROR: {e}", file=sys.stderr)
-        return 1
-    return 0
-
+    return run_entry_point(lambda: main(parse_opt(argv)))
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -27,7 +27,7 @@ from utils import dist
 from utils.boxes import non_max_suppression, scale_boxes, xywh2xyxy
 from utils.checkpoint import load_checkpoint
 from utils.config import ROOT, load_data_config, prepare_dataset
-from utils.errors import UserError
+from utils.errors import UserError, run_entry_point
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, setup_logging
 from utils.metrics import DetectionMetrics, ImageStats, evaluate, match_image
@@ -208,13 +208,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
 
 @record
 def cli(argv: list[str] | None = None) -> int:
-    try:
-        main(parse_opt(argv))
-    except UserError as e:
-        LOGGER.error(f"ERROR: {e}") if LOGGER.handlers else print(f"ERROR: {e}", file=sys.stderr)
-        return 1
-    return 0
-
+    return run_entry_point(lambda: main(parse_opt(argv)))
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -22,6 +22,17 @@ def run_env() -> dict:
     return env
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: tiny convs run far faster than with threads fighting for 2 busy cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A tiny built-in shapes dataset yaml (generated on first use, like the real one)."""

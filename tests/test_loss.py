@@ -22,13 +22,7 @@ def make_hyp(**kw: float) -> types.SimpleNamespace:
     return types.SimpleNamespace(**h)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny convs run far faster than with threads fighting for 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ entry points print its message without a traceback and exit non-zero on every ra
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 
 
 class UserError(Exception):
@@ -17,3 +18,21 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return " Did you mean 'x'?" for the closest choice, or '' when none is close."""
     close = difflib.get_close_matches(str(word).strip(), list(choices), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def run_entry_point(main: Callable[[], object]) -> int:
+    """Run a CLI's main(): a UserError becomes its message on stderr (no traceback) and exit code 1.
+
+    Every rank runs this, so each one exits non-zero with the reason instead of hanging.
+    """
+    from utils.logging import LOGGER
+
+    try:
+        main()
+    except UserError as e:
+        if LOGGER.handlers:
+            LOGGER.error(f"ERROR: {e}")
+        else:
+            print(f"ERROR: {e}", file=sys.stderr)
+        return 1
+    return 0
