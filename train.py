@@ -25,6 +25,7 @@ from tqdm import tqdm
 import val as validate
 from models.yolo import Model, de_parallel
 from utils import dist
+from utils.autoanchor import check_anchors, set_anchors
 from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
                               set_rng_states, strip_optimizer, to_plain, versions)
 from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
@@ -39,7 +40,10 @@ from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--cfg", default=str(ROOT / "models" / "yolov5n.yaml"), help="model yaml")
+    p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov5n.yaml)")
+    p.add_argument("--weights", default=None, help="yolotrain checkpoint to fine-tune from (matching tensors are transferred)")
+    p.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or the listed layer indices")
+    p.add_argument("--noautoanchor", action="store_true", help="keep the model yaml's anchors")
     p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
     p.add_argument("--epochs", type=int, default=15, help="total training epochs (sized for the quick built-in run)")
     p.add_argument("--batch-size", type=int, default=16, help="global batch size, split over all ranks")
@@ -113,9 +117,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
 
     # Model: identical initial weights on every rank (DDP also broadcasts rank 0's at wrap time).
     init_seeds(opt.seed)
-    model = Model(ckpt["model_yaml"] if ckpt else opt.cfg, nc=nc).to(device)
-    if ckpt:
-        model.load_state_dict(ckpt["model"])
+    model = build_model(opt, ckpt, nc, data.anchors).to(device)
+    freeze_layers(model, opt.freeze)
     info_row = model.info(opt.imgsz)
     gs = max(int(model.stride.max()), 32)
     imgsz = check_img_size(opt.imgsz, gs)
@@ -128,6 +131,14 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                                                 shuffle=not opt.rect, prefix="train: ", **common)
     val_loader, _ = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ", **common)
     _check_labels(train_set, nc, data.file)
+    if not ckpt and not opt.noautoanchor:  # before EMA and DDP copy the model; resume keeps its anchors
+        new_anchors = None
+        if info.is_main:
+            fit = check_anchors(train_set, model, thr=hyp.anchor_t, imgsz=imgsz, seed=opt.seed)
+            new_anchors = fit.anchors_px if fit.replaced else None
+        new_anchors = dist.broadcast_object(new_anchors)  # computed once, the same on every rank
+        if new_anchors is not None and not info.is_main:
+            set_anchors(model, new_anchors)
 
     # Optimizer, schedule, EMA, loss.
     accumulate = accumulate_steps(opt.batch_size)
@@ -228,6 +239,43 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
             bar.set_postfix_str(f"box {mloss[0]:.4f} obj {mloss[1]:.4f} cls {mloss[2]:.4f} "
                                 f"n {batch.targets.shape[0]} {imgs.shape[-1]}px", refresh=False)
     return dist.reduce_mean(mloss).cpu()
+
+
+def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: list | None) -> Model:
+    """The model to train: a resumed run's own, or one built from --cfg (or --weights' yaml) with
+    the tensors of --weights that fit transferred."""
+    if ckpt:  # resume: exactly the saved model
+        model = Model(ckpt["model_yaml"])
+        model.load_state_dict(ckpt["model"])
+        return model
+    source = load_checkpoint(opt.weights) if opt.weights else None
+    cfg = opt.cfg or (source["model_yaml"] if source else ROOT / "models" / "yolov5n.yaml")
+    model = Model(cfg, nc=nc, anchors=anchors)
+    if source:
+        state = source.get("ema") or source["model"]
+        own = model.state_dict()
+        fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
+        model.load_state_dict(fits, strict=False)
+        skipped = sorted(k for k in own if k not in fits)
+        shown = ", ".join(skipped[:12]) + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else "")
+        LOGGER.info(f"Transferred {len(fits)}/{len(own)} items from {opt.weights}"
+                    + (f"; not transferred (new shape or name): {shown}" if skipped else ""))
+    return model
+
+
+def freeze_layers(model: Model, freeze: list[int]) -> None:
+    """--freeze N freezes layers 0..N-1; several numbers freeze exactly those layer indices."""
+    layers = list(range(freeze[0])) if len(freeze) == 1 else freeze
+    if not layers:
+        return
+    prefixes = tuple(f"model.{i}." for i in layers)
+    frozen = 0
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+            frozen += 1
+    LOGGER.info(f"Froze {frozen} parameter tensors in layers {layers[0]}..{layers[-1]}" if len(freeze) == 1
+                else f"Froze {frozen} parameter tensors in layers {layers}")
 
 
 def loss_hyp(hyp: Hyp, nl: int, nc: int, imgsz: int) -> Hyp:

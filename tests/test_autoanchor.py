@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from models.yolo import Model
+from utils import autoanchor
 from utils.autoanchor import (
     AnchorFit,
     anchor_metrics,
@@ -28,13 +29,7 @@ COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 1
 COCO_PX = np.array(COCO_ANCHORS, dtype=np.float64).reshape(3, 3, 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny convs run far faster than with threads fighting for 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +148,18 @@ def test_bad_anchors_are_replaced_in_grid_units_and_yaml(model: Model, caplog):
     assert all(type(v) is float and round(v, 2) == v for level in model.yaml["anchors"] for v in level)
     # the measurement agrees when recomputed independently
     assert anchor_metrics(px.reshape(-1, 2), label_wh(fake_dataset("elongated"), 640)).bpr >= 0.98
+
+
+def test_worse_new_anchors_are_not_applied(model: Model, monkeypatch, caplog):
+    """Re-fitting is only worth it if it helps: a worse result keeps the original anchors."""
+    monkeypatch.setattr(autoanchor, "kmean_anchors", lambda *a, **k: np.full((9, 2), 5000.0))
+    before = model.detect.anchors.clone()
+    with caplog.at_level(logging.INFO, logger="yolotrain"):
+        res = check_anchors(fake_dataset("elongated"), model)
+    assert not res.replaced and res.bpr_after == res.bpr_before < 0.98
+    assert torch.equal(model.detect.anchors, before)
+    assert model.yaml["anchors"] == COCO_ANCHORS
+    assert "original anchors" in caplog.text
 
 
 def test_check_anchors_is_deterministic(base_model: Model):

@@ -136,3 +136,38 @@ def test_killed_run_resumes_where_it_stopped(tiny_data, tmp_path):
     assert final["epoch"] == 3 and "optimizer" not in final
     p = _run([sys.executable, "train.py", "--resume", str(project / "r" / "weights" / "last.pt")])
     assert p.returncode == 1 and "nothing to resume" in p.stdout + p.stderr
+
+
+def test_fine_tune_with_new_class_count_and_frozen_layers(ddp_run, tiny_data, tmp_path):
+    run_dir, _ = ddp_run
+    source = torch.load(run_dir / "weights" / "best.pt", weights_only=True)
+    p = _run([sys.executable, "train.py", "--data", str(tiny_data), "--single-cls", "--weights",
+              str(run_dir / "weights" / "best.pt"), "--freeze", "10", "--epochs", "1",
+              "--project", str(tmp_path), "--name", "ft", *TINY])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("Transferred ")][0]
+    n_ok, n_all = map(int, line.split()[1].split("/"))
+    assert n_all - n_ok == 6 and "model.24.m.0.weight" in line  # only the 3 Detect convs (nc 6 -> 1) are new
+    assert "Froze" in p.stdout
+    tuned = torch.load(tmp_path / "ft" / "weights" / "last.pt", weights_only=True)
+    assert tuned["model_yaml"]["nc"] == 1
+    params = [k for k in tuned["model"] if k.endswith(("conv.weight", "bn.weight", "bn.bias"))]
+    frozen = [k for k in params if int(k.split(".")[1]) < 10]
+    trainable = [k for k in params if int(k.split(".")[1]) >= 10]
+    assert frozen and all(torch.equal(tuned["model"][k], source["ema"][k]) for k in frozen)
+    # 4 warmup steps move the trainable tensors (the bias group warms down from lr 0.1)
+    assert sum(not torch.equal(tuned["model"][k], source["ema"][k]) for k in trainable) >= 20
+
+
+def test_custom_model_yaml_checkpoint_loads_without_the_file(tiny_data, tmp_path):
+    cfg = (ROOT / "models" / "yolov5n.yaml").read_text().replace("width_multiple: 0.25", "width_multiple: 0.125")
+    custom = tmp_path / "tiny-net.yaml"
+    custom.write_text(cfg)
+    p = _run([sys.executable, "train.py", "--data", str(tiny_data), "--cfg", str(custom), "--epochs", "1",
+              "--project", str(tmp_path), "--name", "c", *TINY])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "AutoAnchor:" in p.stdout
+    custom.unlink()  # the checkpoint carries its own model description
+    p = _run([sys.executable, "val.py", "--weights", str(tmp_path / "c" / "weights" / "best.pt"), "--workers", "0"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Results: mAP50" in p.stdout

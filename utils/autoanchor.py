@@ -121,10 +121,29 @@ def anchor_metrics(anchors_px: np.ndarray, wh: np.ndarray, thr: float = 4.0) -> 
     return AnchorFit(bpr=float(above.any(1).mean()), aat=float(above.sum(1).mean()))
 
 
-def _fitness(k: np.ndarray, wh: np.ndarray, thr: float) -> float:
-    """YOLOv5's anchor fitness: mean best ratio, counting only labels some anchor can learn."""
-    best = _ratio_metric(k, wh).max(1)
-    return float((best * (best > 1 / thr)).mean())
+class _Fitness:
+    """YOLOv5's anchor fitness: mean best ratio, counting only labels some anchor can learn.
+
+    Called once per generation on every label, so it works in log space on per-anchor (M,)
+    vectors with reused buffers: log-ratio distance max(|dlog w|, |dlog h|) is -log of the ratio
+    metric, and this is ~15x faster than broadcasting (M, k, 2) ratio arrays (~3.5 ms a generation
+    per 100k labels on one CPU core, so about half a minute for COCO's 860k labels).
+    """
+
+    def __init__(self, wh: np.ndarray, thr: float) -> None:
+        with np.errstate(divide="ignore"):  # a zero side gives -inf: matched by no anchor, as it should
+            self.lw, self.lh = np.log(wh[:, 0]), np.log(wh[:, 1])
+        self.log_thr = math.log(thr)
+        self._a, self._b, self._best = (np.empty(len(wh)) for _ in range(3))
+
+    def __call__(self, k: np.ndarray) -> float:
+        a, b, best = self._a, self._b, self._best
+        best.fill(np.inf)
+        for kw, kh in np.log(k):
+            np.abs(np.subtract(self.lw, kw, out=a), out=a)
+            np.abs(np.subtract(self.lh, kh, out=b), out=b)
+            np.minimum(best, np.maximum(a, b, out=a), out=best)
+        return float((np.exp(-best) * (best < self.log_thr)).mean())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,24 +163,31 @@ def _kmeans_pp_init(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarr
     return np.stack(centers)
 
 
+def _sq_dist(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """(k, M) squared distances of every point to every centre.
+
+    Built column by column: reducing numpy's tiny trailing axis of size 2 is several times slower.
+    """
+    cols = [np.ascontiguousarray(x[:, j]) for j in range(x.shape[1])]
+    return np.stack([sum((col - cj[j]) ** 2 for j, col in enumerate(cols)) for cj in c])
+
+
 def _lloyd(x: np.ndarray, c: np.ndarray, iters: int) -> tuple[np.ndarray, float]:
     """Lloyd iterations from centres c; returns (centres, mean distance), like scipy's kmeans.
 
     An empty cluster is moved to the point farthest from its centre so n centres survive.
     """
-    dist = np.zeros(len(x))
+    n, dist = len(c), np.zeros(len(x))
     for _ in range(iters):
-        d = ((x[:, None, :] - c[None]) ** 2).sum(2)
-        assign = d.argmin(1)
-        dist = np.sqrt(d[np.arange(len(x)), assign])
-        new = c.copy()
-        for j in range(len(c)):
-            members = assign == j
-            if members.any():
-                new[j] = x[members].mean(0)
-            else:
-                far = int(dist.argmax())
-                new[j], dist[far] = x[far], 0.0
+        d = _sq_dist(x, c)
+        assign = d.argmin(0)
+        dist = np.sqrt(d.min(0))
+        counts = np.bincount(assign, minlength=n)
+        sums = np.stack([np.bincount(assign, weights=x[:, j], minlength=n) for j in range(x.shape[1])], 1)
+        new = sums / np.maximum(counts, 1)[:, None]
+        for j in np.flatnonzero(counts == 0):
+            far = int(dist.argmax())
+            new[j], dist[far] = x[far], 0.0
         if np.allclose(new, c, rtol=0, atol=1e-9):
             break
         c = new
@@ -196,14 +222,15 @@ def _initial_anchors(wh: np.ndarray, n: int, img_size: int, rng: np.random.Gener
 
 def _evolve(k: np.ndarray, wh: np.ndarray, thr: float, gen: int, rng: np.random.Generator) -> np.ndarray:
     """YOLOv5's genetic search: multiplicative mutations, keep a child only if it is fitter."""
-    f = _fitness(k, wh, thr)
+    fitness = _Fitness(wh, thr)
+    f = fitness(k)
     for _ in range(gen):
         v = np.ones(k.shape)
         while (v == 1).all():  # mutate until something changes
             v = ((rng.random(k.shape) < MUTATION_PROB) * rng.random() * rng.standard_normal(k.shape)
                  * MUTATION_SIGMA + 1).clip(0.3, 3.0)
         kg = (k * v).clip(min=MIN_WH)
-        fg = _fitness(kg, wh, thr)
+        fg = fitness(kg)
         if fg > f:
             f, k = fg, kg
     return k
@@ -226,7 +253,7 @@ def kmean_anchors(wh: np.ndarray, n: int = 9, img_size: int = 640, thr: float = 
     k = k[np.argsort(k.prod(1), kind="stable")]
     fit = anchor_metrics(k, wh, thr)
     LOGGER.info(f"{PREFIX}thr={1 / thr:.2f}: {fit.bpr:.4f} best possible recall, {fit.aat:.2f} anchors past thr; "
-                f"n={n}, img_size={img_size}, fitness={_fitness(k, wh, thr):.4f}")
+                f"n={n}, img_size={img_size}, fitness={_Fitness(wh, thr)(k):.4f}")
     LOGGER.info(PREFIX + "anchors: " + ", ".join(f"{w:.0f},{h:.0f}" for w, h in k))
     return k
 
@@ -311,9 +338,11 @@ def check_anchors(dataset: Any, model: nn.Module, thr: float = 4.0, imgsz: int =
     after = anchor_metrics(new, wh, thr)
     if after.bpr > before.bpr:
         set_anchors(model, new)
+        applied = _yaml_anchors(model_anchors_px(model))
         LOGGER.info(f"{PREFIX}Done: new anchors (BPR {before.bpr:.3f} -> {after.bpr:.3f}) are in the "
-                    "checkpoint's model yaml; optionally copy them into your model *.yaml")
-        return AnchorResult(before.bpr, after.bpr, True, _yaml_anchors(model_anchors_px(model)))
+                    f"checkpoint's model yaml; optionally put them in your model *.yaml:\n"
+                    f"anchors:\n{format_anchors(applied)}")
+        return AnchorResult(before.bpr, after.bpr, True, applied)
     LOGGER.info(f"{PREFIX}Done: original anchors are better than new anchors (BPR {after.bpr:.3f}), "
                 "proceeding with original anchors")
     return AnchorResult(before.bpr, before.bpr, False, current_yaml)
