@@ -59,7 +59,7 @@ def test_parameter_counts_match_published_table(size: str) -> None:
     assert n_params(m) == FUSED_PARAMS[size]
 
 
-@pytest.mark.parametrize("size, gflops", [("n", 4.5), ("s", 16.5)])
+@pytest.mark.parametrize("size, gflops", [("n", 4.5), ("s", 16.5), ("m", 49.0), ("l", 109.1), ("x", 205.7)])
 def test_gflops_at_640_match_published_table(size: str, gflops: float) -> None:
     info = Model(MODELS / f"yolov5{size}.yaml").info(640)
     assert isinstance(info, ModelInfo)
