@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from data.shapes import generate_shapes
-from utils import dataset as ds_mod
+from utils import labels as ds_mod
 from utils.augment import augment_hsv, letterbox, random_flip
-from utils.dataset import LoadImagesAndLabels, img2label_paths, resolve_image_files
+from utils.dataset import LoadImagesAndLabels
+from utils.labels import img2label_paths, resolve_image_files
 from utils.errors import UserError
 from utils.loader import InferenceSampler, TrainSampler, create_dataloader
 from utils.logging import LOGGER
