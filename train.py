@@ -30,6 +30,7 @@ from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_sta
                               set_rng_states, strip_optimizer, to_plain, versions)
 from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
 from utils.errors import UserError, run_entry_point
+from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
@@ -62,6 +63,8 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
     p.add_argument("--seed", type=int, default=0, help="global training seed")
     p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or a given last.pt")
+    p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
+                   help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
     p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -128,8 +131,11 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     common = dict(stride=gs, single_cls=opt.single_cls, rank=info.rank, world_size=info.world_size,
                   local_rank=info.local_rank, workers=opt.workers, seed=opt.seed, nc=nc, cache_dir=opt.cache_dir)
     train_loader, train_set = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
-                                                shuffle=not opt.rect, prefix="train: ", **common)
-    val_loader, _ = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ", **common)
+                                                shuffle=not opt.rect, cache=opt.cache, prefix="train: ", **common)
+    val_loader, val_set = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, cache=opt.cache,
+                                            prefix="val: ", **common)
+    if hyp.close_mosaic > 0:  # set before the first pass: persistent workers copy the dataset once
+        train_set.mosaic_off_from_epoch = max(opt.epochs - int(hyp.close_mosaic), 0)
     _check_labels(train_set, nc, data.file)
     if not ckpt and not opt.noautoanchor:  # before EMA and DDP copy the model; resume keeps its anchors
         new_anchors = None
@@ -172,6 +178,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     metrics, epoch = None, start_epoch - 1
     for epoch in range(start_epoch, opt.epochs):
         train_loader.sampler.set_epoch(epoch)
+        if epoch == getattr(train_set, "mosaic_off_from_epoch", None):
+            LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
         mloss = train_one_epoch(model, train_loader, optimizer, ema, scaler, compute_loss, warmup, lf,
                                 epoch, opt.epochs, device, amp, state)
         lrs = [g["lr"] for g in optimizer.param_groups]
@@ -201,6 +209,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         if stop:
             break
 
+    release_ram_caches(info.local_rank, train_set.imgcache, val_set.imgcache)
     if info.is_main:
         finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper, data.file, imgsz)
 

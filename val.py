@@ -28,6 +28,7 @@ from utils.boxes import non_max_suppression, scale_boxes, xywh2xyxy
 from utils.checkpoint import load_checkpoint
 from utils.config import ROOT, load_data_config, prepare_dataset
 from utils.errors import UserError, run_entry_point
+from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, setup_logging
 from utils.metrics import DetectionMetrics, ImageStats, evaluate, match_image
@@ -161,6 +162,8 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--single-cls", action="store_true", help="treat as single-class dataset")
     p.add_argument("--verbose", action="store_true", help="report mAP by class")
     p.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
+    p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
+                   help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
     p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -195,10 +198,12 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
         raise UserError(f"{data.file}: no '{opt.task}' split")
     loader, _ = create_dataloader(split, imgsz, opt.batch_size, stride, single_cls=single_cls, rect=True, pad=0.5,
                                   rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
-                                  workers=opt.workers, nc=len(names), cache_dir=opt.cache_dir, prefix=f"{opt.task}: ")
+                                  workers=opt.workers, nc=len(names), cache=opt.cache, cache_dir=opt.cache_dir,
+                                  prefix=f"{opt.task}: ")
     LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
                  half=opt.half, verbose=opt.verbose, prefix=f"{opt.task}: ")
+    release_ram_caches(info.local_rank, loader.dataset.imgcache)
     pre, inf, nms = result.speed_ms
     LOGGER.info(f"Speed: {pre:.1f}ms pre-process, {inf:.1f}ms inference, {nms:.1f}ms NMS per image at "
                 f"shape ({opt.batch_size}, 3, {imgsz}, {imgsz})")

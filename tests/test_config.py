@@ -104,3 +104,21 @@ def test_missing_split_path_is_a_user_error(tmp_path):
     f.write_text("train: images/train\nval: images/val\nnames: [a]\n")
     with pytest.raises(UserError, match=r"d\.yaml: 'train' path not found: .*images/train"):
         prepare_dataset(load_data_config(f))
+
+
+@pytest.mark.parametrize("make", ["empty_dir", "empty_txt"])
+def test_empty_split_names_yaml_and_key(tmp_path, make):
+    from utils.config import prepare_dataset
+    (tmp_path / "images" / "train").mkdir(parents=True)
+    (tmp_path / "images" / "train" / "a.jpg").write_bytes(b"x")
+    if make == "empty_dir":
+        (tmp_path / "images" / "val").mkdir()
+        (tmp_path / "images" / "val" / "notes.md").write_text("no images here")
+        val = "images/val"
+    else:
+        (tmp_path / "val.txt").write_text("\n\n")
+        val = "val.txt"
+    f = tmp_path / "d.yaml"
+    f.write_text(f"train: images/train\nval: {val}\nnames: [a]\n")
+    with pytest.raises(UserError, match=r"d\.yaml: 'val' has no images"):
+        prepare_dataset(load_data_config(f))

@@ -21,7 +21,9 @@ from utils.errors import UserError
 from utils.loader import InferenceSampler, TrainSampler, create_dataloader
 from utils.logging import LOGGER
 
-NO_COLOUR = SimpleNamespace(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5)
+# No colour change and no geometry (mosaic, translate, scale off): only flips move the boxes.
+NO_COLOUR = SimpleNamespace(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=0.0, translate=0.0,
+                           scale=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -324,9 +326,12 @@ def test_bad_label_rows_reported(copy_root, logs):
     assert f"{lbl[0]}: line 2: class outside [0, 5]" in text
     assert f"{lbl[1]}: line 1: expected 5 columns" in text and f"{lbl[2]}: line 1: non-numeric" in text
     assert f"{lbl[3]}: 1 duplicate label row(s) removed" in text and "train_000005.jpg: unreadable image" in text
-    assert data.counts["corrupt"] == 4 and data.counts["missing"] == 1 and len(data) == 20
+    # only the bad rows are dropped (lbl[0] keeps its good row); only the unreadable image is skipped
+    assert data.counts["corrupt"] == 1 and data.counts["missing"] == 1 and len(data) == 23
+    assert data.counts["dropped"] == 3 and data.counts["duplicates"] == 1
+    assert len(data.labels[data.label_files.index(str(lbl[0]))]) == 1
     assert len(data.labels[data.label_files.index(str(lbl[3]))]) == 1
-    assert "4 corrupt" in text
+    assert "1 corrupt" in text
 
 
 def test_missing_and_unusable_datasets(tmp_path):

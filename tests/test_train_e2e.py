@@ -20,10 +20,21 @@ def _run(args, timeout=400):
 @pytest.fixture(scope="module")
 def ddp_run(tiny_data, tmp_path_factory):
     project = tmp_path_factory.mktemp("runs")
+    shm_before = _shm_caches()
+    # --cache ram: one /dev/shm image cache per node shared by both ranks; val.py below reads from
+    # disk, so equal metrics also show the cache is byte-identical to the uncached path
     p = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-              "train.py", "--data", str(tiny_data), "--epochs", "2", "--project", str(project), "--name", "ddp", *TINY])
+              "train.py", "--data", str(tiny_data), "--epochs", "2", "--project", str(project), "--name", "ddp",
+              "--cache", "ram", *TINY])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("Caching images") == 2  # train and val caches, each built once (by rank 0)
+    assert _shm_caches() == shm_before  # released at the end of training
     return project / "ddp", p
+
+
+def _shm_caches() -> set[str]:
+    import os
+    return {f for f in os.listdir("/dev/shm") if f.startswith("yolotrain-")} if os.path.isdir("/dev/shm") else set()
 
 
 def test_ddp_training_writes_one_set_of_files(ddp_run):

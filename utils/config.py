@@ -63,7 +63,7 @@ class Hyp:
     hsv_h: float = 0.015  # HSV augmentation gains (fractions)
     hsv_s: float = 0.7
     hsv_v: float = 0.4
-    degrees: float = 0.0  # geometric augmentation (mosaic/perspective arrive with the data pipeline)
+    degrees: float = 0.0  # geometric augmentation (random perspective)
     translate: float = 0.1
     scale: float = 0.5
     shear: float = 0.0
@@ -73,6 +73,7 @@ class Hyp:
     mosaic: float = 1.0
     mixup: float = 0.0
     copy_paste: float = 0.0
+    close_mosaic: float = 0.0  # final epochs trained without mosaic (YOLOv8 style; 0 = YOLOv5 behaviour)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -202,3 +203,16 @@ def prepare_dataset(cfg: DataConfig) -> None:
         for p in getattr(cfg, key):
             if not Path(p).exists():
                 raise UserError(f"{cfg.file}: '{key}' path not found: {p}")
+            if not _has_images(Path(p)):
+                raise UserError(f"{cfg.file}: '{key}' has no images: {p}")
+
+
+def _has_images(path: Path) -> bool:
+    """Cheap emptiness check (stops at the first image): a folder with an image, or a non-empty list."""
+    from utils.labels import IMG_SUFFIXES
+
+    if path.is_dir():
+        return any(f.suffix.lower() in IMG_SUFFIXES for f in path.rglob("*"))
+    if path.suffix.lower() == ".txt":
+        return any(line.strip() for line in path.read_text(errors="replace").splitlines())
+    return path.suffix.lower() in IMG_SUFFIXES

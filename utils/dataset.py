@@ -10,17 +10,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 
-from utils.augment import augment_hsv, letterbox, random_flip, resize_long_side
+from utils.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.errors import UserError
-from utils.labels import img2label_paths, resolve_image_files, report_messages, load_or_scan, _describe
+from utils.labels import format_summary, read_image_bgr, require_usable, img2label_paths, resolve_image_files, report_messages, load_or_scan, _describe
 from utils.logging import LOGGER
 
-HYP_DEFAULTS = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "fliplr": 0.5, "flipud": 0.0}
+HYP_DEFAULTS = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "fliplr": 0.5, "flipud": 0.0, "degrees": 0.0,
+                "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0, "mosaic": 1.0, "mixup": 0.0}
 
 
 def _hyp(hyp: Any, key: str) -> float:
@@ -51,8 +50,8 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             report_messages(result.msgs, prefix)
             LOGGER.info(f"{prefix}Scanning {where}... {c['images']} images, {c['backgrounds']} backgrounds, "
                         f"{c['corrupt']} corrupt" + (" (from cache)" if self.cache_hit else ""))
-        if not c["images"]:
-            raise UserError(f"{where}: no usable images ({c['corrupt']} corrupt, see the warnings above)")
+            LOGGER.info(format_summary(c, prefix.strip(" :") or "split"))
+        require_usable(result, where)
         self.im_files, self.label_files = list(result.img_files), list(result.label_files)
         self.labels = [x.astype(np.float32).reshape(-1, 5).copy() for x in result.labels]
         if single_cls:
@@ -62,6 +61,10 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
+        # close_mosaic: from this epoch on, no mosaic (set by train.py from hyp.close_mosaic). The
+        # epoch travels with each (epoch, index), so persistent workers need no notification.
+        self.mosaic_off_from_epoch: int | None = None
+        self.imgcache = None  # utils.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
         if rect:
             self._set_rect_shapes(batch_size)
 
@@ -88,29 +91,93 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
 
     def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int]]:
         """BGR image resized so its long side is img_size, and its original (h, w)."""
-        img = cv2.imread(self.im_files[i])
-        if img is None:
-            raise UserError(f"{self.im_files[i]}: OpenCV cannot read this image")
+        if self.imgcache is not None:  # byte-identical to the disk path below
+            return self.imgcache.get(i)
+        img = read_image_bgr(self.im_files[i])  # the scan's decoder: EXIF, alpha, 16-bit, CMYK, truncation
         return resize_long_side(img, self.img_size, self.augment), img.shape[:2]
+
+    def load_mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Four images around a random centre on a 2s x 2s canvas, warped back to s x s.
+
+        The tiles are ``index`` and three indices drawn from ``rng``, in an order drawn from
+        ``rng``, so the sample's own image is not always top-left. Labels come back as pixel
+        [cls, x1, y1, x2, y2] in the s x s output. Draws: centre (2), indices (3), order (4), then
+        random_perspective's 8, always in that order.
+        """
+        s = self.img_size
+        xc, yc = (int(v) for v in rng.uniform(0.5 * s, 1.5 * s, 2))
+        indices = np.concatenate(([index], rng.integers(0, len(self), 3)))[rng.permutation(4)]
+        img4 = np.full((2 * s, 2 * s, 3), 114, dtype=np.uint8)
+        labels4 = []
+        for k, i in enumerate(indices.tolist()):  # four tiles; boxes are handled as arrays
+            img, _ = self.load_image(i)
+            h, w = img.shape[:2]
+            if k == 0:  # top left: the tile's bottom-right corner sits on the centre
+                x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
+                x1b, y1b, x2b, y2b = w - (x2a - x1a), h - (y2a - y1a), w, h
+            elif k == 1:  # top right
+                x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, 2 * s), yc
+                x1b, y1b, x2b, y2b = 0, h - (y2a - y1a), min(w, x2a - x1a), h
+            elif k == 2:  # bottom left
+                x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(2 * s, yc + h)
+                x1b, y1b, x2b, y2b = w - (x2a - x1a), 0, w, min(y2a - y1a, h)
+            else:  # bottom right
+                x1a, y1a, x2a, y2a = xc, yc, min(xc + w, 2 * s), min(2 * s, yc + h)
+                x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
+            img4[y1a:y2a, x1a:x2a] = img[y1b:y2b, x1b:x2b]
+            labels = self.labels[i].copy()
+            if len(labels):
+                labels[:, 1:] = xywhn2xyxy(labels[:, 1:], w, h, padw=x1a - x1b, padh=y1a - y1b)
+            labels4.append(labels)
+        labels = np.concatenate(labels4, 0)
+        np.clip(labels[:, 1:], 0, 2 * s, out=labels[:, 1:])  # tiles are cut only at the canvas edge
+        return random_perspective(img4, labels, rng, **self._geometry(), border=(-s // 2, -s // 2))
+
+    def _geometry(self) -> dict[str, float]:
+        """random_perspective's gains from the hyperparameters."""
+        return {k: _hyp(self.hyp, k) for k in ("degrees", "translate", "scale", "shear", "perspective")}
+
+    def mosaic_enabled(self, epoch: int) -> bool:
+        """Mosaic is used for augmented square training, until ``mosaic_off_from_epoch`` (close_mosaic).
+
+        Rectangular training keeps each image's aspect ratio, which a square mosaic would undo.
+        """
+        off = self.mosaic_off_from_epoch
+        return self.augment and not self.rect and (off is None or epoch < off)
 
     def __getitem__(self, item: int | tuple[int, int]):
         epoch, index = item if isinstance(item, tuple) else (0, item)
-        index = int(index)
-        rng = np.random.default_rng([self.seed, int(epoch), index])
-        img, (h0, w0) = self.load_image(index)
-        h, w = img.shape[:2]
-        shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else self.img_size
-        img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
-        shapes = (h0, w0), ((h * ratio[1] / h0, w * ratio[0] / w0), pad)
-        labels = self.labels[index].copy()
-        if len(labels):
-            labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
-        if self.augment:  # pixel-space augmentations (mosaic, perspective) will go before HSV
-            augment_hsv(img, rng, _hyp(self.hyp, "hsv_h"), _hyp(self.hyp, "hsv_s"), _hyp(self.hyp, "hsv_v"))
+        epoch, index = int(epoch), int(index)
+        rng = np.random.default_rng([self.seed, epoch, index])
+        shapes = None  # letterbox geometry, for mapping predictions back; a mosaic has none
+        if self.augment:
+            # Decisions first, then one independent child stream per stage (spawned from this
+            # sample's seed, not drawn), so turning mixup on or changing a gain does not shift
+            # the colour or flip draws. Everything still depends only on (seed, epoch, index).
+            u = rng.random(2)  # mosaic, mixup
+            geo_rng, mix_rng, colour_rng = rng.spawn(3)
+        if self.augment and self.mosaic_enabled(epoch) and u[0] < _hyp(self.hyp, "mosaic"):
+            img, labels = self.load_mosaic(index, geo_rng)
+            if u[1] < _hyp(self.hyp, "mixup"):
+                img2, labels2 = self.load_mosaic(int(mix_rng.integers(0, len(self))), mix_rng)
+                img, labels = mixup(img, labels, img2, labels2, mix_rng)
+        else:
+            img, (h0, w0) = self.load_image(index)
+            h, w = img.shape[:2]
+            shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else self.img_size
+            img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
+            shapes = (h0, w0), ((h * ratio[1] / h0, w * ratio[0] / w0), pad)
+            labels = self.labels[index].copy()
+            if len(labels):
+                labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
+            if self.augment:
+                img, labels = random_perspective(img, labels, geo_rng, **self._geometry())
+        if self.augment:
+            augment_hsv(img, colour_rng, _hyp(self.hyp, "hsv_h"), _hyp(self.hyp, "hsv_s"), _hyp(self.hyp, "hsv_v"))
         if len(labels):
             labels[:, 1:] = xyxy2xywhn(labels[:, 1:], w=img.shape[1], h=img.shape[0], clip=True)
         if self.augment:
-            img, labels = random_flip(img, labels, rng, _hyp(self.hyp, "fliplr"), _hyp(self.hyp, "flipud"))
+            img, labels = random_flip(img, labels, colour_rng, _hyp(self.hyp, "fliplr"), _hyp(self.hyp, "flipud"))
         labels_out = torch.zeros((len(labels), 6))
         if len(labels):
             labels_out[:, 1:] = torch.from_numpy(labels)

@@ -1,12 +1,16 @@
 """Finding a split's images and labels, verifying them, and caching the scan.
 
-Each problem is reported by file and reason and nothing good is dropped. The cache is arrays +
+Each problem is reported by file (and line) and reason, and nothing good is dropped: a bad label
+row is dropped on its own, a bad image skips only that image, and files on disk are only read.
+Images are fully decoded by the same function the loader uses (``read_image_bgr``), so whatever
+the scan accepts trains with the same pixels and size (EXIF applied). The cache is arrays +
 JSON in an .npz (no pickle), written atomically and keyed by a hash of every file's path, size
 and mtime plus the class count, so an edited label is always seen.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import zipfile
@@ -15,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import cv2
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.errors import UserError
@@ -24,10 +29,12 @@ from utils.logging import LOGGER
 
 IMG_SUFFIXES = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp")
 IMG_FORMATS = {"bmp", "jpeg", "mpo", "png", "tiff", "webp"}  # what PIL reports for those suffixes
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: per-row label checks, full decode, new count keys
 COORD_TOL = 1e-3  # normalised coordinates may stray this far outside [0, 1] (rounding in exports)
 MIN_IMAGE_PX = 10
 MAX_REPORTED = 20
+MAX_ROWS_REPORTED = 20  # per label file (all are counted; this caps the message list)
+COUNT_KEYS = ("found", "missing", "empty", "corrupt", "duplicates", "dropped", "clipped")
 
 
 def img2label_paths(img_paths: Sequence[str]) -> list[str]:
@@ -89,137 +96,301 @@ class ScanResult:
     counts: dict[str, int]
 
 
-def _exif_size(im: Image.Image) -> tuple[int, int]:
-    """(w, h) as displayed: EXIF orientations 5-8 swap width and height (cv2 applies them too)."""
-    w, h = im.size
+# ---------------------------------------------------------------- images
+def _orientation(im: Image.Image) -> int | None:
+    """EXIF orientation tag (1-8) or None; broken EXIF blocks are common and treated as absent."""
     try:
-        orientation = im.getexif().get(0x0112)
-    except Exception:  # broken EXIF blocks are common and harmless for the size
-        orientation = None
-    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+        value = im.getexif().get(0x0112)
+    except Exception:  # PIL raises many types for malformed EXIF
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def _to_uint8(a: np.ndarray, mode: str) -> np.ndarray:
+    """16-bit and 32-bit integer or float pixels scaled to 0-255 (as cv2 does for 16-bit files)."""
+    if a.dtype == np.uint8:
+        return a
+    if mode == "F":  # float images: [0, 1] if they fit there, else already 0-255
+        a = a.astype(np.float64)
+        finite = a[np.isfinite(a)]
+        scale = 255.0 if finite.size and finite.max() <= 1.0 else 1.0
+        return np.clip(np.nan_to_num(a * scale), 0, 255).round().astype(np.uint8)
+    a = np.clip(a.astype(np.int64), 0, 65535)  # 'I;16*' and 'I' (16-bit PNG/TIFF) are 0-65535
+    return ((a * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def _pil_to_bgr(im: Image.Image) -> np.ndarray:
+    """Decoded PIL image -> upright (EXIF applied) BGR uint8 (h, w, 3), whatever the mode.
+
+    Alpha is composited on grey 114, the letterbox padding colour, so transparent areas look
+    like padding rather than whatever RGB happens to be stored under them.
+    """
+    im = ImageOps.exif_transpose(im)
+    mode = im.mode
+    if mode == "1":
+        im, mode = im.convert("L"), "L"
+    if mode in ("P", "L", "RGB") and "transparency" in im.info:
+        im, mode = im.convert("RGBA"), "RGBA"
+    if mode in ("LA", "La", "PA", "RGBA", "RGBa"):
+        rgba = np.asarray(im.convert("RGBA"), dtype=np.float32)
+        alpha = rgba[..., 3:] / 255.0
+        rgb = (rgba[..., :3] * alpha + 114.0 * (1.0 - alpha)).round().astype(np.uint8)
+    elif mode.startswith("I") or mode in ("F", "L"):
+        grey = _to_uint8(np.asarray(im), mode)
+        rgb = np.repeat(grey[..., None], 3, axis=2)
+    else:  # RGB, CMYK (PIL undoes Adobe inversion), YCbCr, LAB, HSV, P without transparency
+        rgb = np.asarray(im.convert("RGB"))
+    return np.ascontiguousarray(rgb[..., ::-1])
+
+
+def _decode_bgr(data: bytes) -> tuple[np.ndarray, str]:
+    """Fully decode image bytes to upright BGR uint8 and a warning; ValueError with the reason.
+
+    The scan and the loader both call this, so an image the scan accepts is read the same way
+    (same pixels, same EXIF handling, same size) when training. JPEGs that lack their end marker
+    are decoded with one appended in memory (the file is never rewritten). Plain RGB/grey JPEGs
+    without an EXIF rotation take cv2's faster decoder; everything else goes through PIL.
+    """
+    if not data:
+        raise ValueError("empty file (0 bytes)")
+    warning = ""
+    if data[:2] == b"\xff\xd8" and data.rstrip(b"\x00")[-2:] != b"\xff\xd9":
+        data, warning = data + b"\xff\xd9", "truncated JPEG (no end marker), still readable"
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = (im.format or "").lower()
+            if fmt not in IMG_FORMATS:
+                raise ValueError(f"unsupported image format '{fmt}'")
+            w, h = im.size
+            if min(w, h) < MIN_IMAGE_PX:  # before decoding: cheap, and the size is what matters
+                raise ValueError(f"image size {w}x{h} below {MIN_IMAGE_PX} pixels")
+            orientation = _orientation(im)
+            if fmt in ("jpeg", "mpo") and im.mode in ("RGB", "L") and orientation in (None, 1):
+                img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+                if img is not None and img.shape[:2] == (h, w):
+                    return img, warning
+            im.load()  # the full decode: truncated or broken data raises here
+            return _pil_to_bgr(im), warning
+    except ValueError:
+        raise
+    except UnidentifiedImageError:
+        raise ValueError("unreadable image (not a recognised image format)") from None
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"image too large ({e})") from None
+    except Exception as e:  # PIL raises many types for broken files
+        what = "truncated JPEG, not decodable" if warning else "unreadable image"
+        raise ValueError(f"{what} ({type(e).__name__}: {e})") from None
+
+
+def read_image_bgr(path: str | Path) -> np.ndarray:
+    """Image as upright BGR uint8 (h, w, 3): EXIF orientation applied, any mode converted.
+
+    16-bit -> 8-bit (scaled), greyscale -> 3 channels, palette/alpha -> RGB composited on grey
+    114, CMYK -> BGR; a JPEG missing its end marker is read as far as it goes. Labels refer to
+    this upright image, and the scan records its size, so the loader must read images with this
+    (plain cv2.imread returns None for truncated JPEGs and drops alpha without compositing).
+    Raises UserError naming the file when it cannot be read.
+    """
+    try:
+        data = Path(path).read_bytes()
+        return _decode_bgr(data)[0]
+    except OSError as e:
+        raise UserError(f"{path}: cannot read image ({e.strerror or e})") from None
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
 
 
 def _verify_image(path: str) -> tuple[tuple[int, int], str]:
-    """Size (w, h) and a warning ('' if none); ValueError with the reason when unusable."""
+    """Upright size (w, h) after a full decode and a warning ('' if none); ValueError when unusable."""
     if not os.path.isfile(path):
         raise ValueError("image not found")
     try:
-        with Image.open(path) as im:
-            im.verify()
-        with Image.open(path) as im:  # verify() leaves the object unusable
-            fmt = (im.format or "").lower()
-            shape = _exif_size(im)
-    except Exception as e:  # PIL raises many types for broken files
-        raise ValueError(f"unreadable image ({type(e).__name__}: {e})") from None
-    if fmt not in IMG_FORMATS:
-        raise ValueError(f"unsupported image format '{fmt}'")
-    if min(shape) < MIN_IMAGE_PX:
-        raise ValueError(f"image size {shape[0]}x{shape[1]} below {MIN_IMAGE_PX} pixels")
-    warning = ""
-    if fmt == "jpeg":
-        with open(path, "rb") as f:
-            f.seek(-2, 2)
-            if f.read() != b"\xff\xd9":
-                warning = "truncated JPEG (no end marker), used as decoded"
-    return shape, warning
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read file ({e.strerror or e})") from None
+    img, warning = _decode_bgr(data)
+    h, w = img.shape[:2]
+    if min(w, h) < MIN_IMAGE_PX:  # EXIF rotation cannot change this, but a decoder might disagree
+        raise ValueError(f"image size {w}x{h} below {MIN_IMAGE_PX} pixels")
+    return (w, h), warning
 
 
-def _parse_rows(text: str) -> list[list[float]]:
-    """Rows of floats; polygon rows (cls x1 y1 x2 y2 ...) become boxes as YOLOv5 reads them."""
-    rows = []
-    for k, line in enumerate(text.splitlines(), 1):
+# ---------------------------------------------------------------- labels
+@dataclass
+class LabelRead:
+    """Good rows of one label file (n, 5), a message per problem, and row counts for the summary."""
+
+    labels: np.ndarray
+    msgs: list[str]
+    dropped: int = 0
+    duplicates: int = 0
+    clipped: int = 0
+    blank: bool = False  # no rows at all (an empty or whitespace-only file)
+
+
+def _row_problem(parts: list[str], nc: int) -> tuple[list[float] | None, str]:
+    """(class xc yc w h) from one row's tokens, or None and why the row is unusable.
+
+    Polygon rows (class x1 y1 x2 y2 ...) become their bounding box, as YOLOv5 reads them.
+    """
+    n = len(parts)
+    if n != 5 and not (n >= 7 and n % 2 == 1):
+        return None, f"expected 5 columns (class xc yc w h) or a polygon, found {n}"
+    vals = []
+    for t in parts:
+        try:
+            if "_" in t:  # float() accepts 1_000; a label writer never does
+                raise ValueError
+            vals.append(float(t))
+        except ValueError:
+            return None, f"non-numeric value '{t[:20]}'"
+    a = np.array(vals)
+    if not np.isfinite(a).all():
+        return None, "non-finite value"
+    c = a[0]
+    if c != round(c):
+        return None, f"class {c:g} is not an integer"
+    if not 0 <= c < nc:
+        return None, f"class outside [0, {nc - 1}]"
+    coords = a[1:]
+    if ((coords < -COORD_TOL) | (coords > 1 + COORD_TOL)).any():
+        return None, "coordinates not normalised to [0, 1]"
+    if n > 5:  # polygon -> box
+        xs, ys = coords[0::2], coords[1::2]
+        a = np.array([c, (xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2, np.ptp(xs), np.ptp(ys)])
+    if a[3] <= 0 or a[4] <= 0:
+        return None, "width and height must be > 0"
+    return a.tolist(), ""
+
+
+def _read_labels(path: str, nc: int) -> LabelRead:
+    """Every good row of a label file; each bad row is reported by line and dropped on its own.
+
+    Boxes may poke out of the image by COORD_TOL (rounding in exporters) silently; further out
+    they are clipped with a warning. Exact duplicate rows are removed with a warning. Raises
+    ValueError only when the file as a whole cannot be read.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # a BOM is an editor artefact, not data
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"unreadable label file ({e})") from None
+    rows, lines, problems = [], [], []
+    for k, line in enumerate(text.splitlines(), 1):  # handles \n, \r\n and \r
         parts = line.split()
         if not parts:
             continue
-        try:
-            vals = [float(v) for v in parts]
-        except ValueError:
-            raise ValueError(f"line {k}: non-numeric value in '{line.strip()[:60]}'") from None
-        if len(vals) >= 7 and len(vals) % 2 == 1:  # segment polygon
-            xs, ys = np.array(vals[1::2]), np.array(vals[2::2])
-            vals = [vals[0], (xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2, np.ptp(xs), np.ptp(ys)]
-        elif len(vals) != 5:
-            raise ValueError(f"line {k}: expected 5 columns (class xc yc w h), found {len(vals)}")
-        rows.append(vals + [k])
-    return rows
+        row, why = _row_problem(parts, nc)
+        if row is None:
+            problems.append(f"{path}: line {k}: {why} ({line.strip()[:60]}); row dropped")
+        else:
+            rows.append(row)
+            lines.append(k)
+    out = LabelRead(np.zeros((0, 5), np.float32), [], dropped=len(problems), blank=not rows and not problems)
+    if rows:
+        a = np.array(rows, dtype=np.float64)
+        xyxy = xywhn2xyxy(a[:, 1:5], 1.0, 1.0)
+        far = ((xyxy < -COORD_TOL) | (xyxy > 1 + COORD_TOL)).any(1)
+        a[:, 1:5] = xyxy2xywhn(np.clip(xyxy, 0.0, 1.0), 1.0, 1.0)
+        flat = (a[:, 3] <= 0) | (a[:, 4] <= 0)
+        for i in np.flatnonzero(far & ~flat):
+            problems.append(f"{path}: line {lines[i]}: box extends outside the image, clipped to it")
+        for i in np.flatnonzero(flat):
+            problems.append(f"{path}: line {lines[i]}: box lies outside the image; row dropped")
+        out.clipped, out.dropped = int((far & ~flat).sum()), out.dropped + int(flat.sum())
+        keep = np.flatnonzero(~flat)
+        lb = a[keep, :5].astype(np.float32)
+        _, first = np.unique(lb, axis=0, return_index=True)
+        if len(first) < len(lb):
+            dup = sorted(set(range(len(lb))) - set(first.tolist()))
+            out.duplicates = len(dup)
+            problems.append(f"{path}: {len(dup)} duplicate label row(s) removed "
+                            f"(line{'s' if len(dup) > 1 else ''} {', '.join(str(lines[keep[j]]) for j in dup[:10])})")
+            lb = lb[np.sort(first)]
+        out.labels = lb
+    if len(problems) > MAX_ROWS_REPORTED:  # one file must not flood the log
+        problems = problems[:MAX_ROWS_REPORTED] + [f"{path}: ... and {len(problems) - MAX_ROWS_REPORTED} more problem(s)"]
+    out.msgs = problems
+    return out
 
 
-def _check_labels(a: np.ndarray, nc: int) -> None:
-    """Raise ValueError naming the first bad line: finite, integer class in range, coords in [0, 1]."""
-    checks = (
-        (~np.isfinite(a[:, :5]).all(1), "non-finite value"),
-        (a[:, 0] != np.round(a[:, 0]), "class is not an integer"),
-        ((a[:, 0] < 0) | (a[:, 0] >= nc), f"class outside [0, {nc - 1}]"),
-        (((a[:, 1:5] < -COORD_TOL) | (a[:, 1:5] > 1 + COORD_TOL)).any(1), "coordinates not normalised to [0, 1]"),
-        ((a[:, 3] <= 0) | (a[:, 4] <= 0), "width and height must be > 0"),
-    )
-    for bad, reason in checks:
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"line {int(a[i, 5])}: {reason} ({' '.join(f'{v:g}' for v in a[i, :5])})")
-
-
-def _read_labels(path: str, nc: int) -> tuple[np.ndarray, str]:
-    """Labels (n, 5) float32 clipped to the image and a warning; ValueError when any row is bad."""
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"unreadable label file ({e})") from None
-    rows = _parse_rows(text)
-    if not rows:
-        return np.zeros((0, 5), np.float32), ""
-    a = np.array(rows, dtype=np.float64)
-    _check_labels(a, nc)
-    xyxy = np.clip(xywhn2xyxy(a[:, 1:5], 1.0, 1.0), 0.0, 1.0)  # boxes may poke out of the image
-    a[:, 1:5] = xyxy2xywhn(xyxy, 1.0, 1.0)
-    flat = (a[:, 3] <= 0) | (a[:, 4] <= 0)
-    if flat.any():
-        raise ValueError(f"line {int(a[np.argmax(flat), 5])}: box lies outside the image")
-    lb = a[:, :5].astype(np.float32)
-    _, first = np.unique(lb, axis=0, return_index=True)
-    if len(first) < len(lb):
-        dropped = len(lb) - len(first)
-        return lb[np.sort(first)], f"{dropped} duplicate label row(s) removed"
-    return lb, ""
-
-
-def _verify_pair(img_file: str, label_file: str, nc: int) -> tuple[str, np.ndarray | None, tuple[int, int] | None, str]:
-    """(status, labels, shape, message); status is found, missing, empty or corrupt."""
+def _verify_pair(img_file: str, label_file: str, nc: int) -> tuple[str, LabelRead | None, tuple[int, int] | None, list[str]]:
+    """(status, label read, shape, messages); status is found, missing, empty or corrupt."""
     try:
         shape, warning = _verify_image(img_file)
     except ValueError as e:
-        return "corrupt", None, None, f"{img_file}: {e}; image skipped"
+        return "corrupt", None, None, [f"{img_file}: {e}; image skipped"]
+    msgs = [f"{img_file}: {warning}"] if warning else []
     if not os.path.isfile(label_file):
-        msg = f"{img_file}: {warning}" if warning else ""
-        return "missing", np.zeros((0, 5), np.float32), shape, msg
+        return "missing", LabelRead(np.zeros((0, 5), np.float32), []), shape, msgs
     try:
-        labels, label_warning = _read_labels(label_file, nc)
+        read = _read_labels(label_file, nc)
     except ValueError as e:
-        return "corrupt", None, None, f"{label_file}: {e}; image skipped"
-    msgs = [f"{img_file}: {warning}" if warning else "", f"{label_file}: {label_warning}" if label_warning else ""]
-    return ("found" if len(labels) else "empty"), labels, shape, "\n".join(m for m in msgs if m)
+        return "corrupt", None, None, msgs + [f"{label_file}: {e}; image skipped"]
+    return ("empty" if read.blank else "found"), read, shape, msgs + read.msgs
 
 
 def scan_labels(img_files: Sequence[str], label_files: Sequence[str], nc: int, num_workers: int | None = None) -> ScanResult:
-    """Verify every image and label in parallel; keep usable images, record every problem."""
+    """Verify every image (full decode) and label in parallel; keep usable images, record every problem.
+
+    Threads suffice: image decoding releases the GIL. Nothing on disk is written or changed.
+    """
     workers = num_workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = list(pool.map(lambda pair: _verify_pair(pair[0], pair[1], nc), zip(img_files, label_files)))
-    counts = {"found": 0, "missing": 0, "empty": 0, "corrupt": 0}
+    counts = dict.fromkeys(COUNT_KEYS, 0)
     keep_img, keep_lb, labels, shapes, msgs = [], [], [], [], []
-    for (img, lbf), (status, lb, shape, msg) in zip(zip(img_files, label_files), results):
+    for (img, lbf), (status, read, shape, msg) in zip(zip(img_files, label_files), results):
         counts[status] += 1
-        if msg:
-            msgs += msg.split("\n")
-        if status != "corrupt":
-            keep_img.append(img)
-            keep_lb.append(lbf)
-            labels.append(lb)
-            shapes.append(shape)
-    counts.update(images=len(keep_img), backgrounds=counts["missing"] + counts["empty"],
+        msgs += msg
+        if read is None:
+            continue
+        counts["dropped"] += read.dropped
+        counts["duplicates"] += read.duplicates
+        counts["clipped"] += read.clipped
+        keep_img.append(img)
+        keep_lb.append(lbf)
+        labels.append(read.labels)
+        shapes.append(shape)
+    counts.update(images=len(keep_img), backgrounds=sum(len(x) == 0 for x in labels),
                   instances=int(sum(len(x) for x in labels)))
     shape_arr = np.array(shapes, dtype=np.int32).reshape(-1, 2)
     return ScanResult(keep_img, keep_lb, labels, shape_arr, msgs, counts)
+
+
+SUMMARY_COLUMNS = (("images", "images"), ("backgrounds", "backgrounds"), ("instances", "boxes"),
+                   ("found", "found"), ("missing", "missing"), ("empty", "empty"), ("corrupt", "corrupt"),
+                   ("duplicates", "dup rows"), ("dropped", "bad rows"), ("clipped", "clipped"))
+
+
+def format_summary(counts: dict[str, int], split_name: str) -> str:
+    """Two-line table of a split's scan counts, for rank 0 to log after the scan.
+
+    found/missing/empty count label files; corrupt counts skipped images; dup/bad/clipped count
+    label rows (duplicates removed, bad rows dropped, boxes clipped to the image).
+    """
+    heads = ["split"] + [h for _, h in SUMMARY_COLUMNS]
+    cells = [str(split_name)] + [str(int(counts.get(k, 0))) for k, _ in SUMMARY_COLUMNS]
+    widths = [max(len(h), len(c)) for h, c in zip(heads, cells)]
+
+    def line(xs: list[str]) -> str:
+        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+
+    return line(heads) + "\n" + line(cells)
+
+
+def require_usable(result: ScanResult, where: str) -> None:
+    """UserError naming the split when no image is usable: one clear fatal error, not a crash later.
+
+    Deterministic from the scan alone, so every rank reaches the same verdict without talking
+    to the others (no barrier, hence no hang).
+    """
+    if result.counts.get("images", len(result.img_files)):
+        return
+    c = result.counts
+    first = "; ".join(result.msgs[:3])
+    raise UserError(f"{where}: no usable images ({c.get('corrupt', 0)} corrupt of "
+                    f"{sum(c.get(k, 0) for k in ('found', 'missing', 'empty', 'corrupt'))} found"
+                    + (f"; first problems: {first}" if first else "") + ")")
 
 
 def report_messages(msgs: Sequence[str], prefix: str = "") -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from utils.dataset import LoadImagesAndLabels
+from utils.imgcache import build_or_open
 from utils.dist import torch_distributed_zero_first
 from utils.logging import LOGGER
 
@@ -121,8 +122,6 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
     if rect and shuffle:
         LOGGER.warning("WARNING: --rect is incompatible with shuffling, setting shuffle=False")
         shuffle = False
-    if cache:
-        LOGGER.warning(f"WARNING: --cache {cache} arrives in a later version; images are read from disk")
     # Training shards interleave (rank::ws), so rectangle shapes are shared across a global batch;
     # with drop_last no padded index from another batch lands in a rank's last batch.
     dataset_bs = batch_size * world_size if (training and rect) else batch_size
@@ -130,6 +129,9 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
         dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect, stride=stride,
                                       pad=pad, single_cls=single_cls, nc=nc, seed=seed, cache_dir=cache_dir,
                                       prefix=prefix, verbose=rank == 0)
+    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
+        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=local_rank,
+                                         shapes=dataset.shapes, path=path, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     nw = min((os.cpu_count() or 1) // max(world_size, 1), batch_size if batch_size > 1 else 0, workers)
     if training:

@@ -1,0 +1,170 @@
+"""--cache ram|disk (utils/imgcache.py): same pixels as the uncached path, reuse, invalidation,
+cheap pickling, a clear refusal when it does not fit, and one build per node under torchrun."""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_env
+from utils import imgcache
+from utils.augment import resize_long_side
+from utils.errors import UserError
+
+
+def _uncached(f: str, img_size: int, augment: bool):
+    """What LoadImagesAndLabels.load_image returns without a cache."""
+    img = cv2.imread(f)
+    return resize_long_side(img, img_size, augment), img.shape[:2]
+
+
+@pytest.fixture()
+def images(tmp_path) -> list[str]:
+    """Odd sizes (landscape, portrait, smaller than img_size, exactly img_size), jpg and png."""
+    rng = np.random.default_rng(0)
+    d = tmp_path / "data" / "images" / "train"
+    d.mkdir(parents=True)
+    (tmp_path / "data" / "labels" / "train").mkdir(parents=True)
+    files = []
+    for i, (h, w) in enumerate([(97, 131), (150, 61), (40, 30), (64, 64), (120, 200), (33, 257)]):
+        f = d / f"im{i}.{'png' if i % 2 else 'jpg'}"
+        cv2.imwrite(str(f), rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        files.append(str(f))
+    return files
+
+
+@pytest.fixture()
+def shm(tmp_path, monkeypatch) -> Path:
+    """A stand-in for /dev/shm so tests never leave RAM-backed files behind."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setattr(imgcache, "SHM", d)
+    return d
+
+
+@pytest.mark.parametrize("augment", [True, False])
+@pytest.mark.parametrize("mode", ["ram", "disk"])
+def test_cached_images_equal_uncached(images, shm, tmp_path, augment, mode):
+    cache = imgcache.build_or_open(images, 64, augment, mode, cache_dir=None, num_threads=2)
+    assert cache.built and cache.file.parent == (shm if mode == "ram" else tmp_path / "data" / "labels")
+    assert cache.file.name.endswith(".imgcache.npy") and cache.index_file.is_file()
+    for i, f in enumerate(images):
+        img, hw0 = cache.get(i)
+        ref, ref_hw0 = _uncached(f, 64, augment)
+        assert hw0 == ref_hw0 and img.shape == ref.shape and img.dtype == np.uint8
+        assert np.array_equal(img, ref), f
+        assert img.flags.writeable  # augmentation writes in place
+        img[:] = 0  # and must not reach the cache
+        assert np.array_equal(cache.get(i)[0], ref)
+
+
+def test_inter_area_and_linear_get_separate_files(images, shm):
+    a = imgcache.build_or_open(images, 32, True, "ram")
+    b = imgcache.build_or_open(images, 32, False, "ram")
+    c = imgcache.build_or_open(images, 48, False, "ram")
+    assert len({a.file, b.file, c.file}) == 3
+
+
+def test_second_open_reuses_the_file(images, shm):
+    first = imgcache.build_or_open(images, 64, False, "ram")
+    mtime = first.file.stat().st_mtime_ns
+    second = imgcache.build_or_open(images, 64, False, "ram")
+    assert not second.built and second.file == first.file and second.file.stat().st_mtime_ns == mtime
+
+
+def test_changed_image_makes_a_new_file_and_drops_the_stale_one(images, shm):
+    first = imgcache.build_or_open(images, 64, False, "ram")
+    cv2.imwrite(images[0], np.full((50, 70, 3), 7, np.uint8))
+    second = imgcache.build_or_open(images, 64, False, "ram")
+    assert second.built and second.file != first.file
+    assert np.array_equal(second.get(0)[0], _uncached(images[0], 64, False)[0])
+    assert not first.file.exists()  # a stale RAM cache would hold memory until reboot
+
+
+def test_incomplete_build_is_rebuilt(images, shm):
+    first = imgcache.build_or_open(images, 64, False, "ram")
+    first.index_file.unlink()  # as if killed before the index (written last) landed
+    assert imgcache.build_or_open(images, 64, False, "ram").built
+
+
+def test_pickle_is_tiny_and_reads_the_same(images, shm):
+    cache = imgcache.build_or_open(images, 64, True, "ram")
+    cache.get(0)  # mapped in this process: the map must not travel
+    blob = pickle.dumps(cache)
+    assert len(blob) < 1024, len(blob)
+    copy = pickle.loads(blob)
+    for i in range(len(images)):
+        assert np.array_equal(copy.get(i)[0], cache.get(i)[0])
+
+
+def test_shapes_from_the_label_scan_are_used(images, shm, monkeypatch):
+    shapes = np.array([cv2.imread(f).shape[1::-1] for f in images])
+    monkeypatch.setattr(imgcache, "header_shapes", lambda files: pytest.fail("re-read headers"))
+    cache = imgcache.build_or_open(images, 64, False, "ram", shapes=shapes)
+    assert np.array_equal(cache.get(5)[0], _uncached(images[5], 64, False)[0])
+
+
+def test_wrong_header_size_falls_back_to_disk(images, shm):
+    shapes = np.array([cv2.imread(f).shape[1::-1] for f in images])
+    shapes[1] = (10, 10)  # a lying header: this image is read from disk instead
+    cache = imgcache.build_or_open(images, 64, False, "ram", shapes=shapes)
+    assert cache.meta["uncached"] == 1
+    for i, f in enumerate(images):
+        assert np.array_equal(cache.get(i)[0], _uncached(f, 64, False)[0])
+
+
+def test_refuses_when_it_does_not_fit(images, shm, monkeypatch):
+    monkeypatch.setattr(imgcache, "free_bytes", lambda folder, mode: (1_100_000, f"is free in {folder}"))
+    with pytest.raises(UserError, match=r"--cache ram needs .* for 6 images at 64 px but only 1.1 MB is free in "
+                                        r".*shm.*use --cache disk or no cache"):
+        imgcache.build_or_open(images, 64, False, "ram")
+    assert not list(shm.iterdir())
+
+
+def test_unknown_mode_is_a_user_error(images):
+    with pytest.raises(UserError, match="--cache memory"):
+        imgcache.build_or_open(images, 64, False, "memory")
+
+
+def test_torchrun_two_ranks_one_build(images, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    lst = tmp_path / "images.txt"
+    lst.write_text("\n".join(images))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "scripts" / "imgcache_ranks.py"), str(lst), str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = ((out / f"rank{r}").read_text().split() for r in (0, 1))
+    assert r0[0] == r1[0]  # the same file
+    assert (r0[1], r1[1]) == ("True", "False")  # built once, by local rank 0
+    assert r0[2] == r1[2]  # the same bytes
+    assert len(list((out / "cache").glob("*.imgcache.npy"))) == 1
+
+
+def test_disk_cache_follows_the_label_cache_folder(images, tmp_path):
+    src = tmp_path / "data" / "images" / "train"
+    cache = imgcache.build_or_open(images, 64, False, "disk", path=str(src))
+    assert cache.file.parent == tmp_path / "data" / "labels" and cache.file.name.startswith("train.")
+    elsewhere = imgcache.build_or_open(images, 64, False, "disk", cache_dir=tmp_path / "cd")
+    assert elsewhere.file.parent == tmp_path / "cd"
+
+
+def test_corrupt_index_is_rebuilt(images, shm):
+    first = imgcache.build_or_open(images, 64, False, "ram")
+    first.index_file.write_bytes(b"not a zip")
+    again = imgcache.build_or_open(images, 64, False, "ram")
+    assert again.built and np.array_equal(again.get(2)[0], _uncached(images[2], 64, False)[0])
+
+
+def test_stale_sweep_spares_other_sizes(images, shm):
+    other_size = imgcache.build_or_open(images, 48, False, "ram")
+    first = imgcache.build_or_open(images, 64, False, "ram")
+    cv2.imwrite(images[3], np.full((20, 90, 3), 9, np.uint8))
+    imgcache.build_or_open(images, 64, False, "ram")
+    assert not first.file.exists() and other_size.file.exists()

@@ -1,0 +1,238 @@
+"""Label scan on a corpus of broken datasets: every bad file is named with its reason (and line),
+every good image and box survives, the files on disk are unchanged, and an unusable dataset is one
+clear UserError. Also ``read_image_bgr`` on every image mode the scan accepts."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+from utils.dataset import LoadImagesAndLabels
+from utils.errors import UserError
+from utils.labels import (ScanResult, format_summary, img2label_paths, load_or_scan, read_image_bgr,
+                          require_usable, resolve_image_files, scan_labels)
+
+NC = 3
+GOOD_ROW = "0 0.5 0.5 0.4 0.4\n"
+RED, BLUE = (255, 0, 0), (0, 0, 255)  # RGB
+
+# label file of badrows.jpg: (line, text, reason in the message or None for a good row)
+BAD_ROWS = [
+    (1, "0 0.5 0.5 0.2 0.2", None),
+    (2, "0 0.5 0.5 0.2", "expected 5 columns"),
+    (3, "0 0.5 abc 0.2 0.2", "non-numeric value 'abc'"),
+    (4, "0 nan 0.5 0.2 0.2", "non-finite value"),
+    (5, "1 0.5 inf 0.2 0.2", "non-finite value"),
+    (6, "3 0.5 0.5 0.2 0.2", "class outside [0, 2]"),
+    (7, "-1 0.5 0.5 0.2 0.2", "class outside [0, 2]"),
+    (8, "1.5 0.5 0.5 0.2 0.2", "class 1.5 is not an integer"),
+    (9, "0 1.2 0.5 0.2 0.2", "coordinates not normalised"),
+    (10, "0 0.5 0.5 0 0.2", "width and height must be > 0"),
+    (11, "0 0.5 0.5 0.2 0.2", None),  # duplicate of line 1: removed with a warning
+    (12, "2.0 0.25 0.25 0.1 0.1", None),  # integral float class: fine
+    (13, "1 0.95 0.5 0.2 0.2", "box extends outside the image, clipped"),  # kept, clipped
+    (14, "1 0.1 0.1 0.3 0.1 0.2 0.3", None),  # polygon -> box (0.2, 0.2, 0.2, 0.2)
+    (15, "2 1_0 0.5 0.2 0.2", "non-numeric value '1_0'"),
+    (16, "1 0.5005 0.5 1.0 0.2", None),  # pokes out by < tolerance: silently clipped
+]
+
+
+def _sha(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _jpeg(path: Path, rgb: np.ndarray, **kw) -> None:
+    Image.fromarray(rgb).save(path, quality=95, **kw)
+
+
+def _patch_rgb(w: int = 48, h: int = 32) -> np.ndarray:
+    """Blue image with a red top-left quarter: a known colour patch to find after decoding."""
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:] = BLUE
+    a[: h // 2, : w // 2] = RED
+    return a
+
+
+def _make_corpus(root: Path) -> dict[str, Path]:
+    """Every kind of broken file next to good ones; returns name -> image path."""
+    img_dir, lbl_dir = root / "images" / "train", root / "labels" / "train"
+    img_dir.mkdir(parents=True)
+    lbl_dir.mkdir(parents=True)
+    p = {n: img_dir / n for n in ("good.jpg", "trunc.jpg", "trunc_bad.jpg", "zero.jpg", "text.jpg", "tiny.png",
+                                  "rgba.png", "g16.png", "grey.png", "pal.png", "cmyk.jpg", "exif6.jpg",
+                                  "nolabel.jpg", "emptylabel.jpg", "blank.jpg", "crlf.jpg", "badrows.jpg")}
+    rgb = _patch_rgb()
+    for n in ("good.jpg", "nolabel.jpg", "emptylabel.jpg", "blank.jpg", "crlf.jpg", "badrows.jpg"):
+        _jpeg(p[n], rgb)
+    full = cv2.imencode(".jpg", np.full((64, 64, 3), 90, np.uint8))[1].tobytes()
+    p["trunc.jpg"].write_bytes(full[:-2])  # end marker missing: still decodes
+    p["trunc_bad.jpg"].write_bytes(full[:200])  # cut inside the headers
+    p["zero.jpg"].write_bytes(b"")
+    p["text.jpg"].write_text("this is not an image\n")
+    Image.new("RGB", (5, 5), RED).save(p["tiny.png"])
+    rgba = np.zeros((30, 40, 4), np.uint8)
+    rgba[:, :20] = (*RED, 255)  # opaque red left half
+    rgba[:, 20:] = (0, 255, 0, 0)  # transparent (green underneath) right half
+    Image.fromarray(rgba, "RGBA").save(p["rgba.png"])
+    Image.fromarray(np.full((20, 30), 40000, np.uint16)).save(p["g16.png"])  # mode I;16
+    Image.fromarray(np.full((20, 30), 77, np.uint8), "L").save(p["grey.png"])
+    pal = Image.fromarray(np.tile(np.array([0, 1], np.uint8).repeat(15), (20, 1)), "P")
+    pal.putpalette([10, 20, 30, 200, 100, 50] + [0] * 762)
+    pal.save(p["pal.png"])
+    cmyk = np.zeros((32, 48, 4), np.uint8)  # white
+    cmyk[:, 24:, 0] = 255  # cyan right half
+    Image.fromarray(cmyk, "CMYK").save(p["cmyk.jpg"], quality=95)
+    stored = np.zeros((20, 40, 3), np.uint8)  # stored 40 wide x 20 tall, red patch top-left
+    stored[:10, :10] = RED
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise: upright is 20 wide x 40 tall
+    _jpeg(p["exif6.jpg"], stored, exif=exif.tobytes())
+
+    def label(name: str, text: str) -> None:
+        (lbl_dir / (Path(name).stem + ".txt")).write_bytes(text.encode())
+
+    for n in p:
+        if n not in ("nolabel.jpg",):
+            label(n, GOOD_ROW)
+    label("exif6.jpg", "1 0.75 0.125 0.5 0.25\n")  # the red patch in the upright image
+    label("emptylabel.jpg", "")
+    label("blank.jpg", "\n  \n\n")
+    label("crlf.jpg", "0 0.5 0.5 0.2 0.2\r\n1 0.3 0.3 0.1 0.1\r\n\r\n\r\n")
+    label("badrows.jpg", "".join(t + "\n" for _, t, _ in BAD_ROWS) + "\n\n")
+    return p
+
+
+@pytest.fixture
+def corpus(tmp_path) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path / "broken"
+    return root, _make_corpus(root)
+
+
+def _scan(root: Path, **kw) -> tuple[ScanResult, bool]:
+    src = root / "images" / "train"
+    imgs = resolve_image_files(src)
+    return load_or_scan(src, imgs, img2label_paths(imgs), NC, **kw)
+
+
+def test_broken_corpus_reasons_counts_and_survivors(corpus):
+    root, p = corpus
+    before = _sha(root)
+    result, hit = _scan(root)
+    assert not hit
+    text = "\n".join(result.msgs)
+    lbl = lambda n: img2label_paths([str(p[n])])[0]  # noqa: E731
+
+    # each bad image is named with its reason, and skipped
+    for name, reason in (("trunc_bad.jpg", "truncated JPEG, not decodable"), ("zero.jpg", "empty file (0 bytes)"),
+                         ("text.jpg", "unreadable image (not a recognised image format)"),
+                         ("tiny.png", "image size 5x5 below 10 pixels")):
+        assert f"{p[name]}: {reason}" in text and str(p[name]) not in result.img_files, name
+    assert f"{p['trunc.jpg']}: truncated JPEG (no end marker), still readable" in text
+    # each bad row is named with file, line and reason; the good rows stay
+    for k, row, reason in BAD_ROWS:
+        if reason:
+            assert f"{lbl('badrows.jpg')}: line {k}: {reason}" in text, (k, row)
+    assert f"{lbl('badrows.jpg')}: 1 duplicate label row(s) removed (line 11)" in text
+    rows = result.labels[result.img_files.index(str(p["badrows.jpg"]))]
+    expect = np.array([[0, 0.5, 0.5, 0.2, 0.2], [2, 0.25, 0.25, 0.1, 0.1], [1, 0.925, 0.5, 0.15, 0.2],
+                       [1, 0.2, 0.2, 0.2, 0.2], [1, 0.50025, 0.5, 0.9995, 0.2]], np.float32)
+    np.testing.assert_allclose(rows, expect, atol=1e-6)
+    crlf = result.labels[result.img_files.index(str(p["crlf.jpg"]))]
+    assert len(crlf) == 2 and lbl("crlf.jpg") not in text  # CRLF and trailing blank lines: accepted
+
+    # every good image survives, with its upright size and labels
+    good = set(p) - {"trunc_bad.jpg", "zero.jpg", "text.jpg", "tiny.png"}
+    assert sorted(result.img_files) == sorted(str(p[n]) for n in good)
+    size = {Path(f).name: tuple(s) for f, s in zip(result.img_files, result.shapes.tolist())}
+    assert size["exif6.jpg"] == (20, 40) and size["good.jpg"] == (48, 32) and size["rgba.png"] == (40, 30)
+    c = result.counts
+    assert (c["found"], c["missing"], c["empty"], c["corrupt"]) == (10, 1, 2, 4)
+    assert (c["duplicates"], c["dropped"], c["clipped"]) == (1, 10, 1)
+    assert c["images"] == 13 and c["backgrounds"] == 3
+    assert c["instances"] == 5 + 2 + 8  # badrows + crlf + eight one-box files
+
+    # nothing on disk changed; the only new file is the cache
+    after = _sha(root)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert set(after) - set(before) == {"labels/train.cache.npz"}
+
+    again, hit = _scan(root)  # the cache gives back the same scan
+    assert hit and again.msgs == result.msgs and again.counts == result.counts
+    assert all(np.array_equal(a, b) for a, b in zip(again.labels, result.labels))
+
+    table = format_summary(c, "train")
+    head, row = table.splitlines()
+    assert head.split()[:2] == ["split", "images"] and "corrupt" in head and "bad rows" in head
+    assert row.split()[0] == "train" and row.split()[1] == "13"
+    assert dict(zip(["split", "images", "backgrounds", "boxes", "found", "missing", "empty", "corrupt"],
+                    row.split()))["corrupt"] == "4"
+
+
+def test_scan_is_the_same_serial_and_parallel(corpus):
+    root, _ = corpus
+    imgs = resolve_image_files(root / "images" / "train")
+    a = scan_labels(imgs, img2label_paths(imgs), NC, num_workers=1)
+    b = scan_labels(imgs, img2label_paths(imgs), NC, num_workers=4)
+    assert a.img_files == b.img_files and a.msgs == b.msgs and a.counts == b.counts
+    assert np.array_equal(a.shapes, b.shapes)
+
+
+def test_read_image_bgr_every_mode(corpus):
+    _, p = corpus
+    bgr = lambda rgb: np.array(rgb[::-1])  # noqa: E731
+
+    def close(pixel, expect, tol=6):
+        assert np.abs(pixel.astype(int) - np.asarray(expect, int)).max() <= tol, (pixel, expect)
+
+    for name in ("good.jpg", "rgba.png", "g16.png", "grey.png", "pal.png", "cmyk.jpg", "exif6.jpg", "trunc.jpg"):
+        img = read_image_bgr(p[name])
+        assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3 and img.flags.c_contiguous, name
+    good = read_image_bgr(p["good.jpg"])
+    assert np.array_equal(good, cv2.imread(str(p["good.jpg"])))  # plain JPEG: exactly what cv2 reads
+    close(good[4, 4], bgr(RED)), close(good[28, 40], bgr(BLUE))
+    rgba = read_image_bgr(p["rgba.png"])
+    close(rgba[5, 5], bgr(RED), 0), close(rgba[5, 30], (114, 114, 114), 0)  # transparent -> grey 114
+    close(read_image_bgr(p["g16.png"])[3, 3], (156, 156, 156), 0)  # 40000 / 65535 * 255
+    close(read_image_bgr(p["grey.png"])[3, 3], (77, 77, 77), 0)
+    pal = read_image_bgr(p["pal.png"])
+    close(pal[3, 3], bgr((10, 20, 30)), 0), close(pal[3, 25], bgr((200, 100, 50)), 0)
+    cmyk = read_image_bgr(p["cmyk.jpg"])
+    close(cmyk[16, 5], (255, 255, 255)), close(cmyk[16, 40], bgr((0, 255, 255)))
+    close(read_image_bgr(p["trunc.jpg"])[32, 32], (90, 90, 90))
+
+    up = read_image_bgr(p["exif6.jpg"])  # upright: 20 wide, 40 tall, red patch now top-right
+    assert up.shape[:2] == (40, 20)
+    close(up[5, 15], bgr(RED), 30), close(up[5, 5], (0, 0, 0), 30), close(up[35, 15], (0, 0, 0), 30)
+    xc, yc, w, h = 0.75, 0.125, 0.5, 0.25  # its label: the box covers the red patch
+    box = up[int((yc - h / 2) * 40) + 2:int((yc + h / 2) * 40) - 2, int((xc - w / 2) * 20) + 2:int((xc + w / 2) * 20) - 2]
+    assert (box[..., 2] > 200).all() and (box[..., :2] < 60).all()
+    assert cv2.imread(str(p["exif6.jpg"])).shape[:2] == (40, 20)  # cv2.imread applies EXIF too
+
+    for name in ("zero.jpg", "text.jpg", "trunc_bad.jpg"):
+        with pytest.raises(UserError, match=str(p[name])):
+            read_image_bgr(p[name])
+    with pytest.raises(UserError, match="nope.jpg"):
+        read_image_bgr(p["good.jpg"].with_name("nope.jpg"))
+
+
+def test_no_usable_image_is_one_clear_error(tmp_path):
+    bad = tmp_path / "allbad" / "images"
+    bad.mkdir(parents=True)
+    (bad / "a.jpg").write_bytes(b"")
+    (bad / "b.png").write_text("nope")
+    Image.new("RGB", (4, 4)).save(bad / "c.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(bad / "d.png")
+    (bad / "d.png").write_bytes((bad / "d.png").read_bytes()[:2000])  # PNG cut inside its pixel data
+    imgs = resolve_image_files(bad)
+    result = scan_labels(imgs, img2label_paths(imgs), NC)
+    assert result.counts["images"] == 0 and result.counts["corrupt"] == 4
+    assert any(m.startswith(f"{bad / 'd.png'}: unreadable image") for m in result.msgs)
+    with pytest.raises(UserError, match=r"allbad/images: no usable images \(4 corrupt of 4 found; first problems: .*a\.jpg: empty file"):
+        require_usable(result, str(bad))
+    with pytest.raises(UserError, match=r"allbad/images: no usable images"):
+        LoadImagesAndLabels(bad, nc=NC, verbose=False)

@@ -1,0 +1,394 @@
+"""``--cache ram|disk``: every image decoded and resized once, in one memory-mapped file per node.
+
+Why one file and ``np.memmap(mode='r')`` rather than a list of arrays per process (YOLOv5's way):
+pages of a read-only file mapping live once in the OS page cache and are shared by every rank and
+every DataLoader worker on the node, so memory does not grow with ranks x workers. The node's
+local rank 0 builds the file under ``torch_distributed_zero_first``; the others open it.
+
+Layout (no pickle anywhere):
+- ``<name>.imgcache.npy``: one flat uint8 ``.npy`` array, image ``i`` at ``offset[i]`` as an
+  ``h x w x 3`` BGR block, resized exactly as ``LoadImagesAndLabels.load_image`` does.
+- ``<name>.imgcache.index.npz``: ``index`` (N x 5 int64: offset, h, w, h0, w0; offset -1 = not
+  cached, read from disk instead), JSON ``meta`` and JSON ``files`` (paths, read only for those).
+  Written last, atomically, so a data file without its index is an interrupted build (rebuilt).
+``<name>`` carries a hash of (image paths in order, their sizes and mtimes, img_size, resize mode),
+so every rank of a node derives the same name and a changed image means a new file.
+
+An ``ImageCache`` pickles as its paths only; each process maps the file on first access.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import tempfile
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from utils.errors import UserError
+from utils.logging import LOGGER
+
+CACHE_VERSION = 1
+MODES = ("ram", "disk")
+SHM = Path("/dev/shm")
+MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
+
+ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
+
+
+def _default_resize() -> ResizeFn:
+    """The dataset's own resize, imported late so this module never drifts from load_image."""
+    from utils.augment import resize_long_side
+
+    return resize_long_side
+
+
+def resized_shape(h0: int, w0: int, img_size: int) -> tuple[int, int]:
+    """(h, w) after ``resize_long_side``: long side ``img_size`` (same rounding), for the size estimate."""
+    r = img_size / max(h0, w0)
+    if r == 1:
+        return h0, w0
+    return min(max(1, math.ceil(h0 * r)), img_size), min(max(1, math.ceil(w0 * r)), img_size)
+
+
+def header_shapes(im_files: Sequence[str]) -> np.ndarray:
+    """(N, 2) of (w, h) read from image headers with PIL (no decoding); (0, 0) when unreadable."""
+    from PIL import Image
+
+    out = np.zeros((len(im_files), 2), dtype=np.int64)
+    for i, f in enumerate(im_files):
+        try:
+            with Image.open(f) as im:
+                out[i] = im.size
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def images_hash(im_files: Sequence[str], img_size: int, augment: bool) -> str:
+    """sha256 over the cache version, img_size, resize mode and every image's path, size and mtime_ns."""
+    h = hashlib.sha256(f"yolotrain-imgcache v{CACHE_VERSION} {img_size} augment={bool(augment)}\n".encode())
+    for f in im_files:
+        try:
+            st = os.stat(f)
+            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{f}\0missing\n".encode())
+    return h.hexdigest()
+
+
+def available_ram() -> int:
+    """Bytes of RAM available now: MemAvailable (counts reclaimable page cache), else SC_AVPHYS_PAGES."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_bytes(folder: Path, mode: str) -> tuple[int, str]:
+    """Bytes the cache may use in ``folder`` and a phrase saying what limits it.
+
+    A module function so tests can patch it. ram is limited by both /dev/shm's free space and the
+    RAM available now (tmpfs pages are RAM); disk by the folder's file system.
+    """
+    disk = shutil.disk_usage(folder).free
+    if mode == "ram":
+        ram = available_ram()
+        if ram < disk:
+            return ram, "of RAM is available"
+    return disk, f"is free in {folder}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
+def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, path: Any = None) -> tuple[Path, str]:
+    """Folder and split name for the cache file.
+
+    ram: /dev/shm (RAM-backed) when present, else the temp folder. disk: ``cache_dir`` when given,
+    else next to the label cache (``labels/<split>.cache.npz`` -> ``labels/<split>.<hash>.imgcache.npy``),
+    else ~/.cache/yolotrain when that folder is read-only.
+    """
+    from utils.labels import img2label_paths
+
+    split = Path(im_files[0]).parent.name or "images"
+    if mode == "ram":
+        return (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())), split
+    if cache_dir is not None:
+        return Path(cache_dir), split
+    label_files = img2label_paths(list(im_files[:1]))
+    labels_dir = Path(label_files[0]).parent  # without ``path``: next to the first label folder
+    folder, split, fallback = labels_dir.parent, labels_dir.name, Path.home() / ".cache" / "yolotrain" / "x"
+    if path is not None:
+        try:
+            from utils.labels import cache_paths
+
+            primary, fallback = cache_paths(path, label_files, None)
+            folder, split = primary.parent, primary.name.split(".")[0] or split
+        except Exception:  # cache_paths' rules changed or path is odd: keep the label-folder rule
+            pass
+    return (folder if _writable(folder) else fallback.parent), split
+
+
+class ImageCache:
+    """Read-only view of a built cache file; ``get(i)`` is what ``load_image(i)`` returns uncached.
+
+    Holds only paths until first use in a process, so pickling it to DataLoader workers (fork or
+    spawn) costs a few hundred bytes and every worker maps the same pages.
+    """
+
+    def __init__(self, file: Path, index_file: Path, mode: str) -> None:
+        self.file, self.index_file, self.mode = Path(file), Path(index_file), mode
+        self.built = False  # True in the process that built the file (tests and logs)
+        self._data: np.ndarray | None = None
+        self._index: np.ndarray | None = None
+        self._files: list[str] | None = None
+        self._meta: dict | None = None
+
+    def __getstate__(self) -> dict:
+        return {"file": self.file, "index_file": self.index_file, "mode": self.mode, "built": self.built}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["file"], state["index_file"], state["mode"])
+        self.built = state["built"]
+
+    def _open(self) -> None:
+        with np.load(self.index_file, allow_pickle=False) as z:
+            self._index, self._meta = z["index"], json.loads(z["meta"].tobytes().decode())
+        self._data = np.load(self.file, mmap_mode="r", allow_pickle=False)
+
+    def _file(self, i: int) -> str:
+        """Path of image ``i``, loaded only when needed: N path strings in every worker is real memory."""
+        if self._files is None:
+            with np.load(self.index_file, allow_pickle=False) as z:
+                self._files = json.loads(z["files"].tobytes().decode())
+        return self._files[i]
+
+    @property
+    def meta(self) -> dict:
+        if self._meta is None:
+            self._open()
+        return self._meta  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.meta["nbytes"])
+
+    def __len__(self) -> int:
+        return int(self.meta["n"])
+
+    def get(self, i: int) -> tuple[np.ndarray, tuple[int, int]]:
+        """Image ``i`` (BGR, long side img_size) as a writable copy, since augmentation works in place."""
+        if self._data is None:
+            self._open()
+        off, h, w, h0, w0 = (int(v) for v in self._index[i])  # type: ignore[index]
+        if off < 0:  # not cacheable at build time (size disagreed with its header): the uncached path
+            from utils.labels import read_image_bgr
+
+            img = read_image_bgr(self._file(i))  # raises a UserError naming the file
+            return self._resize(img), img.shape[:2]
+        return self._data[off:off + h * w * 3].reshape(h, w, 3).copy(), (h0, w0)  # type: ignore[index]
+
+    def _resize(self, img: np.ndarray) -> np.ndarray:
+        return _default_resize()(img, int(self.meta["img_size"]), bool(self.meta["augment"]))
+
+    def is_complete(self, n: int, hash_: str) -> bool:
+        """True when the index exists, matches this hash and image count, and the data file has every byte."""
+        try:
+            meta = self.meta
+            ok = (meta.get("version") == CACHE_VERSION and meta.get("hash") == hash_ and meta.get("n") == n
+                  and self._data is not None and self._data.size == meta["nbytes"])
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+            ok = False
+        if not ok:
+            self._data = self._index = self._files = self._meta = None
+        return ok
+
+    def remove(self) -> None:
+        """Delete the files (for ram caches at the end of training: /dev/shm outlives the process).
+
+        Safe while others still map it: an unlinked file's pages stay until the last mapping goes.
+        """
+        for f in (self.index_file, self.file):
+            f.unlink(missing_ok=True)
+
+
+def _family(im_files: Sequence[str], split: str, img_size: int, augment: bool) -> str:
+    """ram name prefix shared by every version of one dataset split at one size and resize mode.
+
+    /dev/shm is shared by every job on the node, so the prefix carries the dataset's folder: a
+    stale-cache sweep must never touch another dataset's (or another size's) live cache.
+    """
+    where = hashlib.sha256(str(Path(im_files[0]).resolve().parent).encode()).hexdigest()[:8]
+    return f"yolotrain-{split}-{where}-{img_size}{'L' if augment else 'A'}"
+
+
+def _paths(folder: Path, family: str, split: str, hash_: str, mode: str) -> tuple[Path, Path]:
+    stem = f"{family}.{hash_[:16]}" if mode == "ram" else f"{split}.{hash_[:16]}"
+    return folder / f"{stem}.imgcache.npy", folder / f"{stem}.imgcache.index.npz"
+
+
+def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str) -> None:
+    have, where = free_bytes(folder, mode)
+    margin = max(MARGIN_FRACTION * need, MARGIN_BYTES)
+    if need + margin > have:
+        other = "--cache disk or no cache" if mode == "ram" else "a cache folder on a bigger disk, or no cache"
+        raise UserError(f"--cache {mode} needs {_gb(need)} for {n} images at {img_size} px but only {_gb(have)} "
+                        f"{where} ({_gb(margin)} must stay free); use {other}")
+
+
+def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: bool, hash_: str,
+           sizes: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
+    """Decode + resize every image in threads into a preallocated temp .npy, then rename it and the index in."""
+    n = len(im_files)
+    hw = np.array([resized_shape(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
+                   for w, h in sizes], dtype=np.int64).reshape(-1, 2)
+    nbytes_each = hw[:, 0] * hw[:, 1] * 3
+    offsets = np.concatenate([[0], np.cumsum(nbytes_each)[:-1]]).astype(np.int64)
+    total = int(nbytes_each.sum())
+    index = np.zeros((n, 5), dtype=np.int64)
+    index[:, 0] = offsets
+    tag = f"{socket.gethostname()}-{os.getpid()}"
+    tmp = cache.file.with_name(f".{cache.file.name}.tmp-{tag}")
+    try:
+        data = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(max(total, 1),))
+
+        def one(i: int) -> None:
+            img = _read(im_files[i])
+            if img is None:
+                index[i, 0] = -1  # left to the uncached path, which reports it
+                return
+            out = resize(img, img_size, augment)
+            index[i, 1:] = (*out.shape[:2], *img.shape[:2])
+            if out.size != nbytes_each[i]:  # the header lied (rare): keep this one uncached
+                index[i, 0] = -1
+                return
+            data[offsets[i]:offsets[i] + out.size] = out.reshape(-1)
+
+        with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+            list(pool.map(one, range(n)))
+        data.flush()
+        del data
+        os.replace(tmp, cache.file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    meta = {"version": CACHE_VERSION, "hash": hash_, "n": n, "nbytes": max(total, 1), "img_size": img_size,
+            "augment": bool(augment), "uncached": int((index[:, 0] < 0).sum())}
+    tmp = cache.index_file.with_name(f".{cache.index_file.name}.tmp-{tag}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, index=index, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                     files=np.frombuffer(json.dumps(list(im_files)).encode(), dtype=np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, cache.index_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if meta["uncached"]:
+        LOGGER.warning(f"WARNING: {meta['uncached']} image(s) did not match their header size or could not be "
+                       f"read; they are loaded from disk each time")
+
+
+def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
+    """ram only: drop older versions of this exact cache (changed images) from /dev/shm, where they
+    would hold RAM until reboot. Processes still mapping one keep its pages until they exit."""
+    if mode != "ram":
+        return
+    for f in folder.glob(f"{family}.*.imgcache*"):
+        if not f.name.startswith(keep.name.split(".imgcache")[0]):
+            try:
+                f.unlink()
+                LOGGER.info(f"Removed stale image cache {f}")
+            except OSError:
+                pass
+
+
+def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str,
+                  cache_dir: Path | None = None, local_rank: int = 0, num_threads: int | None = None, *,
+                  shapes: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
+                  prefix: str = "") -> ImageCache:
+    """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
+
+    ``shapes`` (N, 2 of w, h; the label scan's) avoids re-reading headers for the size estimate.
+    ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
+    label cache. Must be called by every rank, with the same ``im_files`` in the same order.
+    """
+    from utils.dist import torch_distributed_zero_first
+
+    if mode not in MODES:
+        raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
+    if not len(im_files):
+        raise UserError("--cache: no images to cache")
+    resize = resize or _default_resize()
+    hash_ = images_hash(im_files, img_size, augment)
+    folder, split = cache_folder(im_files, mode, cache_dir, path)
+    family = _family(im_files, split, img_size, augment)
+    file, index_file = _paths(folder, family, split, hash_, mode)
+    cache = ImageCache(file, index_file, mode)
+    with torch_distributed_zero_first(local_rank):
+        if local_rank == 0 and not cache.is_complete(len(im_files), hash_):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"--cache {mode}: cannot create the cache folder {folder} ({e.strerror or e})") from e
+            sizes = np.asarray(shapes, dtype=np.int64).reshape(-1, 2) if shapes is not None else header_shapes(im_files)
+            if len(sizes) != len(im_files):
+                raise ValueError(f"shapes has {len(sizes)} rows for {len(im_files)} images")
+            need = sum(h * w * 3 for h, w in (resized_shape(int(h), int(w), img_size)
+                                              for w, h in sizes if w > 0 and h > 0))
+            _check_room(need, len(im_files), img_size, folder, mode)
+            LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
+            t0 = time.time()
+            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, os.cpu_count() or 1))
+            cache.built = True
+            _remove_stale(folder, file, family, mode)
+            LOGGER.info(f"{prefix}Cached {len(im_files)} images in {time.time() - t0:.1f}s")
+        elif local_rank == 0:
+            LOGGER.info(f"{prefix}Using cached images ({_gb(cache.nbytes)}, {mode} {file})")
+    if not cache.is_complete(len(im_files), hash_):
+        raise UserError(f"{file}: image cache missing or incomplete after local rank 0 built it "
+                        f"(is {folder} shared by the ranks of this node?)")
+    return cache
+
+
+def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
+    """Delete /dev/shm caches once every rank is done (mapped copies stay valid until exit), so
+    RAM is not held after the run, as with YOLOv5's in-process cache. Disk caches are kept."""
+    from utils.dist import barrier
+
+    barrier()
+    if local_rank == 0:
+        for cache in caches:
+            if cache is not None and cache.mode == "ram":
+                cache.remove()
+
+
+def _read(path: str) -> np.ndarray | None:
+    """The loader's decoder (EXIF, alpha, 16-bit, CMYK, truncated JPEGs), None when unreadable."""
+    from utils.labels import read_image_bgr
+
+    try:
+        return read_image_bgr(path)
+    except UserError:
+        return None
