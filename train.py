@@ -174,7 +174,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                 f"Logging results to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
 
     t_start = time.time()
-    state = dict(last_opt_step=-1, accumulate=accumulate, accumulate_max=accumulate)
+    state = dict(last_opt_step=start_epoch * nb - 1, accumulate=accumulate, accumulate_max=accumulate)
     metrics, epoch = None, start_epoch - 1
     for epoch in range(start_epoch, opt.epochs):
         train_loader.sampler.set_epoch(epoch)
@@ -235,7 +235,9 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
         if world > 1:
             loss = loss * world  # DDP averages gradients over ranks; YOLOv5's loss is a sum over the batch
         scaler.scale(loss).backward()
-        if ni - state["last_opt_step"] >= state["accumulate"]:
+        # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
+        # gradients, so a resumed run continues exactly where the interrupted one would have.
+        if ni - state["last_opt_step"] >= state["accumulate"] or i == nb - 1:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
             scaler.step(optimizer)

@@ -182,3 +182,25 @@ def test_custom_model_yaml_checkpoint_loads_without_the_file(tiny_data, tmp_path
     p = _run([sys.executable, "val.py", "--weights", str(tmp_path / "c" / "weights" / "best.pt"), "--workers", "0"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Results: mAP50" in p.stdout
+
+
+def test_no_usable_image_stops_every_rank_promptly(tmp_path):
+    import time
+    for split in ("train", "val"):
+        (tmp_path / "ds" / "images" / split).mkdir(parents=True)
+        (tmp_path / "ds" / "labels" / split).mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / "ds" / "images" / split / f"{i}.jpg").write_bytes(b"not a jpeg at all")
+            (tmp_path / "ds" / "labels" / split / f"{i}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    data = tmp_path / "broken.yaml"
+    data.write_text(f"path: {tmp_path / 'ds'}\ntrain: images/train\nval: images/val\nnames: [a]\n")
+    before = {p: p.read_bytes() for p in (tmp_path / "ds").rglob("*") if p.is_file()}
+    t0 = time.time()
+    p = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "train.py", "--data", str(data), "--epochs", "1", "--project", str(tmp_path / "runs"), *TINY], timeout=200)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and time.time() - t0 < 120
+    assert "no usable images" in out and "0.jpg" in out  # the fatal error and the per-file reason
+    assert "[rank 1] ERROR:" in out
+    assert not any(f'File "{ROOT / name}' in out for name in ("train.py", "utils", "models"))
+    assert {p: p.read_bytes() for p in before} == before  # nothing on disk was changed

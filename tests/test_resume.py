@@ -1,0 +1,79 @@
+"""Exact resume: a run killed after an epoch and continued with --resume ends with the same bits as
+an uninterrupted run, in one process and in two (torchrun, gloo)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_env
+
+EPOCHS = 4
+ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "1", "--seed", "5",
+        "--epochs", str(EPOCHS)]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _train(launcher, data, project, name, extra=()):
+    return subprocess.run([*launcher, "train.py", "--data", str(data), "--project", str(project), "--name", name,
+                           *ARGS, *extra], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+
+
+def _train_and_kill(launcher, data, project, name) -> int:
+    """Start a run and SIGKILL it (launcher and workers) right after its first checkpoint."""
+    proc = subprocess.Popen([*launcher, "train.py", "--data", str(data), "--project", str(project), "--name", name,
+                             *ARGS], cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    last = project / name / "weights" / "last.pt"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not last.exists():
+        time.sleep(0.02)
+    # A job scheduler's SIGTERM: torchrun forwards it to its workers (which run in sessions of their
+    # own, so a SIGKILL of the launcher alone would orphan them). One process gets SIGKILL.
+    os.killpg(proc.pid, signal.SIGTERM if launcher == TORCHRUN else signal.SIGKILL)
+    proc.wait()
+    _wait_until_gone(str(project / name))
+    epoch = torch.load(last, weights_only=True)["epoch"]
+    assert epoch < EPOCHS - 1, "the run finished before it could be interrupted"
+    return epoch
+
+
+def _wait_until_gone(marker: str, timeout: float = 60) -> None:
+    """Block until no process has ``marker`` on its command line (the killed run's workers)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        alive.append(pid)
+            except OSError:
+                continue
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of {marker} still running after {timeout}s")
+
+
+@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
+def test_resume_is_bit_identical(tiny_data, tmp_path, launcher):
+    p = _train(launcher, tiny_data, tmp_path, "straight")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    stopped_at = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
+    p = subprocess.run([*launcher, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
+    a = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == EPOCHS - 1
+    for key in ("model", "ema"):
+        different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
+        assert not different, f"{key}: {len(different)} tensors differ, e.g. {different[:3]}"
+    assert a["metrics"] == b["metrics"]
