@@ -34,7 +34,8 @@ from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
-from utils.optim import EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda, smart_optimizer
+from utils.optim import (NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda,
+                         smart_optimizer)
 from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 
 
@@ -148,7 +149,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
 
     # Optimizer, schedule, EMA, loss.
     accumulate = accumulate_steps(opt.batch_size)
-    decay = hyp.weight_decay * opt.batch_size * accumulate / 64
+    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = smart_optimizer(model, opt.optimizer, hyp.lr0, hyp.momentum, decay)
     lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
@@ -178,7 +179,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     metrics, epoch = None, start_epoch - 1
     for epoch in range(start_epoch, opt.epochs):
         train_loader.sampler.set_epoch(epoch)
-        if epoch == getattr(train_set, "mosaic_off_from_epoch", None):
+        if epoch == train_set.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
         mloss = train_one_epoch(model, train_loader, optimizer, ema, scaler, compute_loss, warmup, lf,
                                 epoch, opt.epochs, device, amp, state)
@@ -190,7 +191,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
             result = validate.run(ema.ema, val_loader, device, names, compute_loss=compute_loss, prefix="val: ")
             metrics = result.metrics
         fitness = metrics.fitness() if result else 0.0
-        stop = dist.broadcast_object(stopper(epoch, fitness) and not final)
+        # only validated epochs count towards early stopping (with --noval none do until the last)
+        stop = dist.broadcast_object(result is not None and stopper(epoch, fitness) and not final)
         is_best = fitness >= best_fitness and result is not None
         best_fitness = max(best_fitness, fitness)
         if info.is_main:

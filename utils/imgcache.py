@@ -75,14 +75,9 @@ def header_shapes(im_files: Sequence[str]) -> np.ndarray:
 
 def images_hash(im_files: Sequence[str], img_size: int, augment: bool) -> str:
     """sha256 over the cache version, img_size, resize mode and every image's path, size and mtime_ns."""
-    h = hashlib.sha256(f"yolotrain-imgcache v{CACHE_VERSION} {img_size} augment={bool(augment)}\n".encode())
-    for f in im_files:
-        try:
-            st = os.stat(f)
-            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(f"{f}\0missing\n".encode())
-    return h.hexdigest()
+    from utils.labels import files_hash
+
+    return files_hash(f"yolotrain-imgcache v{CACHE_VERSION} {img_size} augment={bool(augment)}", im_files)
 
 
 def available_ram() -> int:

@@ -404,16 +404,22 @@ def report_messages(msgs: Sequence[str], prefix: str = "") -> None:
 
 
 # ---------------------------------------------------------------- cache
-def dataset_hash(img_files: Sequence[str], label_files: Sequence[str], nc: int) -> str:
-    """sha256 over every file's path, size and mtime_ns (or 'missing'), plus nc and the cache version."""
-    h = hashlib.sha256(f"yolotrain-cache v{CACHE_VERSION} nc={nc}\n".encode())
-    for f in list(img_files) + list(label_files):
+def files_hash(header: str, files: Sequence[str]) -> str:
+    """sha256 of a header and every file's path, size and mtime_ns (or 'missing'), in order: any
+    edit, even one that keeps the size, changes it. Shared by the label and image caches."""
+    h = hashlib.sha256(f"{header}\n".encode())
+    for f in files:
         try:
             st = os.stat(f)
             h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         except OSError:
             h.update(f"{f}\0missing\n".encode())
     return h.hexdigest()
+
+
+def dataset_hash(img_files: Sequence[str], label_files: Sequence[str], nc: int) -> str:
+    """The label cache key: every image and label file, plus nc and the cache version."""
+    return files_hash(f"yolotrain-cache v{CACHE_VERSION} nc={nc}", list(img_files) + list(label_files))
 
 
 def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -> tuple[Path, Path]:
