@@ -39,7 +39,17 @@ from utils.optim import (NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumul
 from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 
 
+# Arguments that may differ on --resume without changing what the run computes (or, for
+# epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
+RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval"}
+RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
+
+
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
     p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov5n.yaml)")
@@ -63,12 +73,16 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="exp", help="save to project/name")
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
     p.add_argument("--seed", type=int, default=0, help="global training seed")
-    p.add_argument("--resume", nargs="?", const=True, default=False, help="resume the latest run, or a given last.pt")
+    p.add_argument("--resume", nargs="?", const=True, default=False,
+                   help="resume the latest run, a given last.pt, or 'auto': this run's last.pt if it exists "
+                        "(for torchrun --max-restarts), else start it")
+    p.add_argument("--allow-changes", action="store_true",
+                   help="on --resume, accept arguments that change the training math (data, model, batch, hyp...)")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
     p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
 
 
 def main(opt: argparse.Namespace) -> None:
@@ -83,19 +97,51 @@ def main(opt: argparse.Namespace) -> None:
         dist.cleanup_distributed()
 
 
-def resolve_resume(opt: argparse.Namespace) -> dict:
-    """Find the checkpoint to continue and restore the run's saved arguments into opt."""
-    path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
+def resolve_resume(opt: argparse.Namespace) -> dict | None:
+    """Find the checkpoint to continue and restore the run's saved arguments into opt.
+
+    Arguments given now that differ from the saved run are listed; harmless ones apply, ones that
+    would change the training math need --allow-changes. ``--resume auto`` starts the run
+    (in its fixed folder) when it has no last.pt yet, so a restarted job picks up its own.
+    """
+    if opt.resume == "auto":
+        path = Path(opt.project) / opt.name / "weights" / "last.pt"
+        if not path.is_file():
+            LOGGER.info(f"--resume auto: no {path} yet; starting the run")
+            opt.resume, opt.exist_ok = False, True
+            return None
+    else:
+        path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     if path is None:
         raise UserError(f"--resume: no last.pt found under {opt.project}")
     ckpt = load_checkpoint(path)
     if "optimizer" not in ckpt:
         raise UserError(f"{path}: this run finished (its optimizer state was stripped); nothing to resume")
-    keep = {"device": opt.device, "workers": opt.workers, "local_rank": opt.local_rank}
-    vars(opt).update(ckpt["args"])
-    vars(opt).update(keep, resume=str(path), save_dir=str(Path(path).parent.parent))
+    saved, defaults = ckpt["args"], vars(build_parser().parse_args([]))
+    changed = {k: v for k, v in vars(opt).items()
+               if k not in RESUME_BOOKKEEPING and k in saved and v != defaults.get(k) and not _same_arg(v, saved[k])}
+    math = sorted(k for k in changed if k not in RESUME_HARMLESS)
+    if math and not opt.allow_changes:
+        listed = ", ".join(f"--{k.replace('_', '-')} {changed[k]} (run has {saved[k]})" for k in math)
+        raise UserError(f"{path}: resuming with {listed} would change the training math; "
+                        "drop them, or pass --allow-changes to continue with them")
+    if changed.get("epochs") is not None and changed["epochs"] <= ckpt["epoch"] + 1:
+        raise UserError(f"{path}: --epochs {changed['epochs']} but {ckpt['epoch'] + 1} epochs are already done")
+    if changed:
+        LOGGER.info("Resuming with changed arguments: " + ", ".join(
+            f"{k}: {saved[k]} -> {v}" for k, v in sorted(changed.items())))
+    vars(opt).update(saved)
+    vars(opt).update(changed, local_rank=opt.local_rank, resume=str(path), save_dir=str(Path(path).parent.parent))
     LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 2} of {opt.epochs}")
     return ckpt
+
+
+def _same_arg(given, saved) -> bool:
+    """Compare a CLI value with its saved form (paths resolved, tuples as lists)."""
+    given = to_plain(given)
+    if isinstance(given, str) and isinstance(saved, str) and (Path(given).exists() or Path(saved).exists()):
+        return Path(given).resolve() == Path(saved).resolve()
+    return given == saved
 
 
 def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None) -> None:
@@ -234,6 +280,7 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
         with torch.autocast(device.type, enabled=amp):
             pred = model(imgs)
             loss, loss_items = compute_loss(pred, batch.targets.to(device))
+        check_finite(loss_items, epoch, i)
         if world > 1:
             loss = loss * world  # DDP averages gradients over ranks; YOLOv5's loss is a sum over the batch
         scaler.scale(loss).backward()
@@ -291,6 +338,19 @@ def freeze_layers(model: Model, freeze: list[int]) -> None:
                 else f"Froze {frozen} parameter tensors in layers {layers}")
 
 
+def check_finite(loss_items: torch.Tensor, epoch: int, i: int) -> None:
+    """Stop every rank at the same step when any rank's loss is NaN/inf (decided together, so no
+    rank waits in a collective for one that has stopped). Earlier checkpoints stay intact."""
+    bad = torch.zeros(dist.get_world_size(), device=loss_items.device)
+    bad[dist.get_rank()] = float(not torch.isfinite(loss_items).all())
+    bad = dist.all_reduce_sum(bad)
+    if bad.any():
+        ranks = ", ".join(str(r) for r in bad.nonzero().flatten().tolist())
+        raise UserError(f"epoch {epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) {ranks} "
+                        f"(box, obj, cls = {[round(v, 4) for v in loss_items.tolist()]}); checkpoints of earlier "
+                        "epochs are intact. Lower lr0 in the hyp yaml, or check the labels.")
+
+
 def loss_hyp(hyp: Hyp, nl: int, nc: int, imgsz: int) -> Hyp:
     """Scale the loss gains to the number of detection layers, classes and image size (YOLOv5 rules)."""
     return dataclasses.replace(hyp, box=hyp.box * 3 / nl, cls=hyp.cls * nc / 80 * 3 / nl,
@@ -331,10 +391,7 @@ def restore_training_state(ckpt, optimizer, ema, scaler, stopper) -> tuple[int, 
     stopper.best_fitness = ckpt["early_stop"]["best_fitness"]
     stopper.best_epoch = ckpt["early_stop"]["best_epoch"]
     set_rng_states(ckpt["rng"])
-    start = ckpt["epoch"] + 1
-    if start >= ckpt["args"]["epochs"]:
-        raise UserError(f"{ckpt['args'].get('resume')}: training to {ckpt['args']['epochs']} epochs is already done")
-    return start, ckpt["best_fitness"]
+    return ckpt["epoch"] + 1, ckpt["best_fitness"]
 
 
 def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, data_file, imgsz) -> None:

@@ -77,3 +77,68 @@ def test_resume_is_bit_identical(tiny_data, tmp_path, launcher):
         different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
         assert not different, f"{key}: {len(different)} tensors differ, e.g. {different[:3]}"
     assert a["metrics"] == b["metrics"]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tiny_data, tmp_path_factory):
+    """A run killed after its first checkpoint (copied per test, since resuming changes it)."""
+    project = tmp_path_factory.mktemp("cut")
+    _train_and_kill([sys.executable], tiny_data, project, "cut")
+    return project / "cut"
+
+
+def _copy_run(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst / "weights" / "last.pt"
+
+
+def _resume(last, *extra):
+    return subprocess.run([sys.executable, "train.py", "--resume", str(last), *extra], cwd=ROOT, env=run_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_resume_refuses_math_changes_without_flag(interrupted, tmp_path):
+    last = _copy_run(interrupted, tmp_path / "r")
+    p = _resume(last, "--batch-size", "8", "--seed", "9")
+    assert p.returncode == 1
+    out = p.stdout + p.stderr
+    assert "--batch-size 8 (run has 4)" in out and "--seed 9 (run has 5)" in out and "--allow-changes" in out
+    assert "Traceback" not in out
+
+
+def test_resume_allows_harmless_changes_and_says_so(interrupted, tmp_path):
+    last = _copy_run(interrupted, tmp_path / "r")
+    p = _resume(last, "--epochs", str(EPOCHS + 1), "--workers", "0")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"epochs: {EPOCHS} -> {EPOCHS + 1}" in p.stdout and "workers: 1 -> 0" in p.stdout
+    assert torch.load(last, weights_only=True)["epoch"] == EPOCHS
+
+
+def test_resume_auto_starts_then_continues(tiny_data, tmp_path):
+    auto = ["--resume", "auto"]
+    p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
+                        "job", *ARGS, "--epochs", "1", *auto], cwd=ROOT, env=run_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and "no " in p.stdout and "yet; starting the run" in p.stdout
+    assert (tmp_path / "job" / "weights" / "last.pt").is_file() and not (tmp_path / "job2").exists()
+    stopped_at = _train_and_kill([sys.executable], tiny_data, tmp_path, "job2")
+    p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
+                        "job2", *ARGS, *auto], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
+
+
+@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
+def test_non_finite_loss_stops_every_rank_with_the_reason(tiny_data, tmp_path, launcher):
+    from tests.conftest import ROOT as R
+    hyp = tmp_path / "explode.yaml"
+    text = (R / "hyps" / "hyp.scratch-low.yaml").read_text().splitlines()
+    hyp.write_text("\n".join(l for l in text if not l.startswith("warmup_bias_lr")) + "\nwarmup_bias_lr: 3.0e+38\n")
+    p = _train(launcher, tiny_data, tmp_path, "nan", ["--hyp", str(hyp)])
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "the loss became NaN/inf on rank(s)" in out and "Lower lr0" in out
+    if launcher == TORCHRUN:
+        assert "[rank 1] ERROR: epoch" in out  # decided together: rank 1 stops with the same reason
+    assert not any(f'File "{R / name}' in out for name in ("train.py", "utils", "models"))

@@ -190,13 +190,18 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean of a tensor over ranks (default group); identity at world size 1."""
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor over ranks (default group); identity at world size 1."""
     if not is_dist():
         return t
     t = t.clone()
     dist.all_reduce(t)
-    return t / get_world_size()
+    return t
+
+
+def reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks (default group); identity at world size 1."""
+    return all_reduce_sum(t) / get_world_size()
 
 
 def smart_DDP(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
