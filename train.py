@@ -41,7 +41,8 @@ from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
-RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval"}
+RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval", "save_period",
+                   "keep_optimizer"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patience", type=int, default=100, help="early stop after this many epochs without improvement")
     p.add_argument("--val-batch-size", type=int, default=32, help="validation images per batch (per rank)")
     p.add_argument("--noval", action="store_true", help="only validate the final epoch")
+    p.add_argument("--save-period", type=int, default=-1, help="also keep weights/epochN.pt every N epochs (< 1: off)")
+    p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
+    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
+    p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
@@ -207,6 +212,11 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     if ckpt:
         start_epoch, best_fitness = restore_training_state(ckpt, optimizer, ema, scaler, stopper)
     scheduler.last_epoch = start_epoch - 1
+    if opt.sync_bn and info.distributed and device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        LOGGER.info("Using SyncBatchNorm")
+    elif opt.sync_bn:
+        LOGGER.warning("WARNING: --sync-bn needs CUDA and more than one rank; using plain BatchNorm")
     model = dist.smart_DDP(model, device)
     compute_loss = ComputeLoss(model, loss_hyp(hyp, de_parallel(model).detect.nl, nc, imgsz))
     nb = len(train_loader)
@@ -221,7 +231,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                 f"Logging results to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
 
     t_start = time.time()
-    state = dict(last_opt_step=start_epoch * nb - 1, accumulate=accumulate, accumulate_max=accumulate)
+    state = dict(last_opt_step=start_epoch * nb - 1, accumulate=accumulate, accumulate_max=accumulate,
+                 multi_scale=(imgsz, gs, opt.seed) if opt.multi_scale else None)
     metrics, epoch = None, start_epoch - 1
     for epoch in range(start_epoch, opt.epochs):
         train_loader.sampler.set_epoch(epoch)
@@ -254,12 +265,15 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
             save_checkpoint(ckpt_out, weights_dir / "last.pt")
             if is_best:
                 save_checkpoint(ckpt_out, weights_dir / "best.pt")
+            if opt.save_period > 0 and (epoch + 1) % opt.save_period == 0:
+                save_checkpoint(ckpt_out, weights_dir / f"epoch{epoch + 1}.pt")
         if stop:
             break
 
     release_ram_caches(info.local_rank, train_set.imgcache, val_set.imgcache)
     if info.is_main:
-        finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper, data.file, imgsz)
+        finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper, data.file, imgsz,
+               strip=not opt.keep_optimizer)
 
 
 def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup, lf, epoch, epochs, device,
@@ -274,6 +288,8 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
     for i, batch in bar:
         ni = i + nb * epoch  # integrated batch count since the start of training
         imgs = batch.images.to(device, non_blocking=True).float() / 255
+        if state["multi_scale"]:
+            imgs = rescale_batch(imgs, *state["multi_scale"], epoch=epoch, i=i)
         warmup.apply(optimizer, ni, lf, epoch)
         if ni <= warmup.iters:
             state["accumulate"] = max(1, round(float(np.interp(ni, [0, warmup.iters], [1, state["accumulate_max"]]))))
@@ -338,6 +354,18 @@ def freeze_layers(model: Model, freeze: list[int]) -> None:
                 else f"Froze {frozen} parameter tensors in layers {layers}")
 
 
+def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:
+    """--multi-scale: resize the batch to a size in [0.5, 1.5] x imgsz (a multiple of the stride),
+    drawn from (seed, epoch, step) so every rank agrees and a resumed run repeats it. Targets are
+    normalised, so they need no change."""
+    size = int(np.random.default_rng([seed, epoch, i]).integers(int(imgsz * 0.5), int(imgsz * 1.5) + gs)) // gs * gs
+    sf = size / max(imgs.shape[2:])
+    if sf == 1:
+        return imgs
+    shape = [math.ceil(x * sf / gs) * gs for x in imgs.shape[2:]]
+    return torch.nn.functional.interpolate(imgs, size=shape, mode="bilinear", align_corners=False)
+
+
 def check_finite(loss_items: torch.Tensor, epoch: int, i: int) -> None:
     """Stop every rank at the same step when any rank's loss is NaN/inf (decided together, so no
     rank waits in a collective for one that has stopped). Earlier checkpoints stay intact."""
@@ -394,9 +422,10 @@ def restore_training_state(ckpt, optimizer, ema, scaler, stopper) -> tuple[int, 
     return ckpt["epoch"] + 1, ckpt["best_fitness"]
 
 
-def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, data_file, imgsz) -> None:
+def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, data_file, imgsz,
+           strip: bool = True) -> None:
     for f in (weights_dir / "last.pt", weights_dir / "best.pt"):
-        if f.exists():
+        if strip and f.exists():
             strip_optimizer(f)
     LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours; best epoch {stopper.best_epoch + 1} "
                 f"(fitness {stopper.best_fitness:.4f}).\nCheckpoints: {weights_dir / 'best.pt'}, {weights_dir / 'last.pt'}"

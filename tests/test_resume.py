@@ -142,3 +142,34 @@ def test_non_finite_loss_stops_every_rank_with_the_reason(tiny_data, tmp_path, l
     if launcher == TORCHRUN:
         assert "[rank 1] ERROR: epoch" in out  # decided together: rank 1 stops with the same reason
     assert not any(f'File "{R / name}' in out for name in ("train.py", "utils", "models"))
+
+
+def test_a_crash_on_one_rank_ends_the_job_promptly_naming_the_rank(tiny_data, tmp_path):
+    t0 = time.time()
+    p = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "scripts" / "crash_rank1.py"), "--data", str(tiny_data),
+                        "--project", str(tmp_path), "--name", "crash", *ARGS], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=300)
+    elapsed = time.time() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "simulated worker failure on rank 1" in out  # the error, recorded by @record
+    assert "rank      : 1" in out  # torchrun's failure report names the rank
+    assert elapsed < 60 + 30  # the run itself takes seconds; the failure must not wait for a timeout
+    _wait_until_gone(str(tmp_path / "crash"))
+    assert torch.load(tmp_path / "crash" / "weights" / "last.pt", weights_only=True)["epoch"] == 0  # intact
+
+
+def test_elastic_restart_picks_up_its_own_last_pt(tiny_data, tmp_path):
+    """torchrun --max-restarts 1 + --resume auto: the crashed attempt's last.pt is continued."""
+    elastic = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--max-restarts", "1"]
+    p = subprocess.run([*elastic, str(ROOT / "tests" / "scripts" / "crash_rank1.py"), "--data", str(tiny_data),
+                        "--project", str(tmp_path), "--name", "elastic", "--resume", "auto", *ARGS],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "simulated worker failure on rank 1" in out and "Resuming" in out and "from epoch 2 of" in out
+    final = torch.load(tmp_path / "elastic" / "weights" / "last.pt", weights_only=True)
+    assert final["epoch"] == EPOCHS - 1
+    rows = (tmp_path / "elastic" / "results.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))

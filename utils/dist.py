@@ -112,8 +112,30 @@ def init_distributed(info: DistInfo, device: torch.device) -> None:
     if not info.distributed or is_dist():
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    timeout = datetime.timedelta(minutes=30)
+    store = _restart_store(info, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=info.rank,
+                                world_size=info.world_size)
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+
+
+def _restart_store(info: DistInfo, timeout: datetime.timedelta):
+    """After an elastic restart (torchrun --max-restarts), a store whose keys carry the attempt number.
+
+    Workers reach the agent's store directly, where the crashed attempt's process-group keys are
+    still present; reading them made restarted ranks connect to dead peers and hang. Attempt 0 uses
+    torch's own env:// set-up unchanged.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                          is_master=not agent_hosts and info.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"yolotrain/attempt_{attempt}", store)
 
 
 def cleanup_distributed() -> None:
