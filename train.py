@@ -203,7 +203,6 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     optimizer = smart_optimizer(model, opt.optimizer, hyp.lr0, hyp.momentum, decay)
     lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
     ema = ModelEMA(model)
     amp = device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
@@ -211,7 +210,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     start_epoch, best_fitness = 0, 0.0
     if ckpt:
         start_epoch, best_fitness = restore_training_state(ckpt, optimizer, ema, scaler, stopper)
-    scheduler.last_epoch = start_epoch - 1
+    scheduler = make_scheduler(optimizer, lf, start_epoch)
     if opt.sync_bn and info.distributed and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         LOGGER.info("Using SyncBatchNorm")
@@ -364,6 +363,22 @@ def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int
         return imgs
     shape = [math.ceil(x * sf / gs) * gs for x in imgs.shape[2:]]
     return torch.nn.functional.interpolate(imgs, size=shape, mode="bilinear", align_corners=False)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, lf, start_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Epoch LR schedule, positioned for ``start_epoch``.
+
+    An uninterrupted run enters epoch e with last_epoch == e (the constructor counts as step 0), so
+    a resumed one must too; YOLOv5's ``start_epoch - 1`` gives every resumed epoch after warmup the
+    previous epoch's LR. The optimizer's saved lr already holds epoch e's value.
+    """
+    saved = [g["lr"] for g in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
+    if start_epoch:
+        scheduler.last_epoch = start_epoch
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
+    return scheduler
 
 
 def check_finite(loss_items: torch.Tensor, epoch: int, i: int) -> None:

@@ -22,3 +22,29 @@ def test_loss_gains_scale_with_layers_classes_and_image_size():
     assert (h.box, h.cls, h.obj) == pytest.approx((Hyp().box, Hyp().cls, Hyp().obj))
     h = train.loss_hyp(Hyp(), nl=3, nc=8, imgsz=320)
     assert (h.cls, h.obj) == pytest.approx((Hyp().cls * 8 / 80, Hyp().obj * 0.25))
+
+
+def test_resumed_lr_schedule_matches_the_uninterrupted_one():
+    """Resuming at epoch s must give every later epoch the LR the uninterrupted run gives it."""
+    from utils.optim import lr_lambda
+
+    def fresh_optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
+
+    lf = lr_lambda(10, 0.01)
+    opt = fresh_optimizer()
+    sched = train.make_scheduler(opt, lf, 0)
+    straight, saved = [], {}
+    for epoch in range(10):
+        straight.append(opt.param_groups[0]["lr"])  # the LR this epoch trains with
+        sched.step()
+        saved[epoch] = opt.state_dict()  # what the end-of-epoch checkpoint holds
+    for s in (1, 4, 9):
+        opt2 = fresh_optimizer()
+        opt2.load_state_dict(saved[s - 1])
+        sched2 = train.make_scheduler(opt2, lf, s)
+        resumed = []
+        for _ in range(s, 10):
+            resumed.append(opt2.param_groups[0]["lr"])
+            sched2.step()
+        assert resumed == straight[s:], f"resume at epoch {s}"
