@@ -21,6 +21,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from utils.config import load_data_config, load_hyp, prepare_dataset  # noqa: E402
+from utils.imgcache import release_ram_caches  # noqa: E402
 from utils.loader import create_dataloader  # noqa: E402
 
 
@@ -39,6 +40,7 @@ def loader_rate(data, hyp, imgsz: int, batch: int, workers: int, cache: str | No
             break
         n += b.images.shape[0]
     rate = n / (time.perf_counter() - t0)
+    release_ram_caches(0, loader.dataset.imgcache)  # do not leave the /dev/shm file behind
     del it, loader
     return rate
 
