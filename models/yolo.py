@@ -315,7 +315,7 @@ def _check_nc(d: dict, source: str) -> int:
     return d["nc"]
 
 
-def _check_anchors(anchors: Any, where: str) -> list[list[float]]:
+def check_anchors_spec(anchors: Any, where: str) -> list[list[float]]:
     """Anchors must be per-level lists of (w, h) pixel pairs, the same count on every level."""
     if isinstance(anchors, int) and not isinstance(anchors, bool):
         raise UserError(f"{where}: anchors given as a count ({anchors}) are not supported; "
@@ -356,7 +356,7 @@ def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tup
     """Build the layers from the yaml rows; returns (nn.Sequential, indices whose output is reused)."""
     _check_top_level(d, source)
     nc = _check_nc(d, source)
-    anchors = _check_anchors(d["anchors"], source)
+    anchors = check_anchors_spec(d["anchors"], source)
     gd, gw = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
     na = len(anchors[0]) // 2
     no = na * (nc + 5)
@@ -458,7 +458,7 @@ def _build_layer(
         if not isinstance(f, list) or n != 1:
             raise UserError(f"{where}: Detect needs number 1 and a list of 'from' layers, one per level")
         if len(args) >= 2:
-            anchors = _check_anchors(args[1], where)
+            anchors = check_anchors_spec(args[1], where)
             if len(anchors) != len(f):
                 raise UserError(f"{where}: {len(anchors)} anchor levels but {len(f)} input layers")
         if not args or not _is_pos_int(args[0]):

@@ -122,3 +122,12 @@ def test_empty_split_names_yaml_and_key(tmp_path, make):
     f.write_text(f"train: images/train\nval: {val}\nnames: [a]\n")
     with pytest.raises(UserError, match=r"d\.yaml: 'val' has no images"):
         prepare_dataset(load_data_config(f))
+
+
+def test_bad_anchors_in_data_yaml_name_the_file(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("train: t\nval: v\nnames: [a]\nanchors: [[10, 13, 16], [30, 61]]\n")
+    with pytest.raises(UserError, match=r"d\.yaml: 'anchors': anchors must be a list of per-level lists"):
+        load_data_config(f)
+    f.write_text("train: t\nval: v\nnames: [a]\nanchors: [[10, 13, 16, 30], [30, 61, 62, 45]]\n")
+    assert load_data_config(f).anchors == [[10, 13, 16, 30], [30, 61, 62, 45]]

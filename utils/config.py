@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from models.yolo import check_anchors_spec
 from utils.errors import UserError, did_you_mean
 from utils.logging import LOGGER
 
@@ -141,18 +142,6 @@ def _split_paths(file: Path, root: Path, key: str, value: Any) -> list[str]:
     return [str(p if (p := Path(v).expanduser()).is_absolute() else root / p) for v in items]
 
 
-def _anchors(file: Path, value: Any) -> list | None:
-    if value is None:
-        return None
-    ok = isinstance(value, list) and value and all(
-        isinstance(level, list) and level and len(level) % 2 == 0
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in level)
-        for level in value)
-    if not ok:
-        raise UserError(f"{file}: 'anchors' must be a list of per-level [w, h, w, h, ...] pixel lists")
-    return value
-
-
 def load_data_config(path: str | Path) -> DataConfig:
     """Parse a YOLO dataset yaml. Relative paths resolve against the yaml's own folder."""
     file = Path(path)
@@ -176,7 +165,7 @@ def load_data_config(path: str | Path) -> DataConfig:
         names=names,
         generate=raw.get("generate"),
         generate_args=dict(raw.get("generate_args") or {}),
-        anchors=_anchors(file, raw.get("anchors")),
+        anchors=None if raw.get("anchors") is None else check_anchors_spec(raw["anchors"], f"{file}: 'anchors'"),
     )
     if not cfg.train or not cfg.val:
         raise UserError(f"{file}: 'train' and 'val' must name at least one path each")
