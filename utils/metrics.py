@@ -206,6 +206,30 @@ def match_image(
 
 
 @dataclass
+class Curves:
+    """The curves behind the summary numbers, kept for plotting (never stored in checkpoints).
+
+    Row k of every per-class array belongs to class ``classes[k]`` (= DetectionMetrics.ap_class).
+    px:        (1000,) confidence grid 0..1
+    p, r, f1:  (k, 1000) YOLOv5 precision, recall and F1 at IoU 0.5 at each confidence
+    recall:    (101,) COCO recall points 0..1
+    precision: (k, 101) COCO interpolated precision at IoU 0.5; its mean is mAP50
+    """
+
+    px: np.ndarray
+    p: np.ndarray
+    r: np.ndarray
+    f1: np.ndarray
+    recall: np.ndarray
+    precision: np.ndarray
+    classes: np.ndarray
+
+    def mean_f1(self) -> np.ndarray:
+        """Smoothed mean-over-classes F1 per confidence: the curve whose peak is metrics.conf."""
+        return _smooth(self.f1.mean(0), 0.1) if len(self.f1) else np.zeros_like(self.px)
+
+
+@dataclass
 class DetectionMetrics:
     """Validation results. mAP follows COCO; P and R are YOLOv5's (at the best mean-F1 confidence).
 
@@ -229,6 +253,7 @@ class DetectionMetrics:
     n_images: int = 0
     n_instances: int = 0
     names: list[str] = field(default_factory=list)
+    curves: Curves | None = field(default=None, repr=False, compare=False)  # for plots only; not in as_dict
 
     def fitness(self) -> float:
         """YOLOv5's model-selection score: 0.1 * mAP50 + 0.9 * mAP50-95."""
@@ -322,6 +347,9 @@ def evaluate(stats: list[ImageStats], nc: int, names: Any = None) -> DetectionMe
         p=np.zeros(nc), r=np.zeros(nc), ap50=np.zeros(nc), ap=np.zeros(nc), ap_class=ap_class,
         nt=nt, ni=ni, n_images=len(stats), n_instances=int(nt.sum()), names=_class_names(names, nc),
     )
+    px = np.linspace(0, 1, N_CONF)
+    out.curves = Curves(px=px, p=np.zeros((0, N_CONF)), r=np.zeros((0, N_CONF)), f1=np.zeros((0, N_CONF)),
+                        recall=recall_thresholds(), precision=np.zeros((0, N_REC)), classes=ap_class)
     if not len(ap_class):
         return out
 
@@ -343,6 +371,8 @@ def evaluate(stats: list[ImageStats], nc: int, names: Any = None) -> DetectionMe
     out.p[ap_class], out.r[ap_class] = p_curve[:, best], r_curve[:, best]
     out.mp, out.mr = float(p_curve[:, best].mean()), float(r_curve[:, best].mean())
     out.conf = float(np.linspace(0, 1, N_CONF)[best])
+    out.curves = Curves(px=px, p=p_curve, r=r_curve, f1=f1, recall=recall_thresholds(),
+                        precision=prec[0].T.copy(), classes=ap_class)
     return out
 
 
