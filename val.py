@@ -2,11 +2,16 @@
 """Score a detector on a YOLO-format split: P, R, mAP50 and COCO mAP50-95.
 
     python val.py --weights runs/train/exp/weights/best.pt
-    torchrun --nproc_per_node 2 val.py --weights best.pt --data my.yaml
+    torchrun --nproc_per_node 2 val.py --weights best.pt --data my.yaml --save-json
+    python val.py --weights best.pt --task speed
 
 Every rank scores a contiguous shard of whole batches; per-image results are gathered to rank 0,
-put back in dataset order and evaluated once, so the numbers do not depend on the world size.
-``run()`` is the same function train.py calls each epoch.
+put back in COCO image-id order (sorted image paths) and evaluated once, so the numbers do not
+depend on the world size. ``run()`` is the same function train.py calls each epoch.
+
+Saving (rank 0 only, into runs/val/exp, exp2, ...): --save-txt writes labels/<stem>.txt;
+--save-json writes predictions.json and ground_truth.json (COCO, ids as in utils/coco.py, so
+pycocotools reproduces the mAP); either also writes metrics.json (metrics, confusion matrix).
 """
 from __future__ import annotations
 
@@ -23,15 +28,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from models.yolo import Model
-from utils import dist
-from utils.boxes import non_max_suppression, scale_boxes, xywh2xyxy
+from utils import coco, dist
+from utils.boxes import non_max_suppression, xyxy2xywhn
 from utils.checkpoint import load_checkpoint
 from utils.config import ROOT, load_data_config, prepare_dataset
 from utils.errors import UserError, run_entry_point
 from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
-from utils.logging import LOGGER, setup_logging
-from utils.metrics import DetectionMetrics, ImageStats, evaluate, match_image
+from utils.logging import LOGGER, colorstr, setup_logging
+from utils.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
+from utils.runs import increment_path
 
 DEFAULT_DATA = ROOT / "data" / "shapes.yaml"
 
@@ -44,6 +50,19 @@ class ValResult:
     loss: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # box, obj, cls (when computed)
     speed_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # pre-process, inference, NMS per image
     images: int = 0
+    confusion: np.ndarray | None = None  # (nc + 1, nc + 1) int64 matrix[pred, true] at conf 0.25 / IoU 0.45
+
+
+@dataclass
+class _Shard:
+    """What one rank sends to rank 0: per-image records and sums, plus detections when saving."""
+
+    records: list[tuple[int, ImageStats]]
+    loss: torch.Tensor
+    n_batches: int
+    times: np.ndarray
+    confusion: np.ndarray
+    detections: list[tuple[int, np.ndarray]]  # (dataset index, (n, 6) float32 in original pixels)
 
 
 def load_model(weights: str | Path, device: torch.device) -> tuple[Model, dict]:
@@ -72,17 +91,29 @@ def run(
     verbose: bool = False,
     fuse: bool = True,
     prefix: str = "val: ",
+    save_dir: Path | None = None,
+    save_txt: bool = False,
+    save_conf: bool = False,
+    save_json: bool = False,
+    warmup: bool = False,
 ) -> ValResult:
-    """Score ``model`` on this rank's shard of ``dataloader`` and return metrics for the whole split."""
+    """Score ``model`` on this rank's shard of ``dataloader`` and return metrics for the whole split.
+
+    With ``save_txt``/``save_json`` every rank's detections go to rank 0 too, which writes them
+    under ``save_dir`` (see _save). ``warmup`` runs the first batch once untimed, for fair speeds.
+    """
     was_training = model.training
     net = deepcopy(model).fuse() if fuse else model
     net.eval()
     half &= device.type == "cuda"
     if half:
         net.half()
-    records: list[tuple[int, ImageStats]] = []
-    loss = torch.zeros(3, device=device)
-    n_batches, times = 0, np.zeros(3)
+    keep_dets = save_txt or save_json
+    if keep_dets and save_dir is None:
+        raise ValueError("save_txt and save_json need a save_dir")
+    dataset = dataloader.dataset
+    records, detections, confusion = [], [], ConfusionMatrix(len(names))
+    loss, n_batches, times = torch.zeros(3, device=device), 0, np.zeros(3)
     bar = tqdm(dataloader, desc=f"{prefix}{'Class':>20}{'Images':>11}{'Instances':>11}{'P':>11}{'R':>11}"
                f"{'mAP50':>11}{'mAP50-95':>11}", bar_format="{l_bar}{bar:10}{r_bar}",
                disable=not dist.get_rank() == 0, leave=False)
@@ -91,6 +122,9 @@ def run(
         imgs = batch.images.to(device, non_blocking=True)
         imgs = (imgs.half() if half else imgs.float()) / 255
         targets = batch.targets.to(device)
+        if warmup and n_batches == 0:
+            net(imgs)  # one-off costs (allocations, kernel selection) stay out of the timings
+            t0 = time.perf_counter()
         t1 = time.perf_counter()
         preds, train_out = net(imgs)
         if compute_loss is not None:
@@ -100,40 +134,92 @@ def run(
         t3 = time.perf_counter()
         times += (t1 - t0, t2 - t1, t3 - t2)
         n_batches += 1
-        height, width = imgs.shape[2:]
         for si, det in enumerate(dets):
-            records.append((int(batch.indices[si]), _image_stats(det, targets, si, batch.shapes[si], (height, width))))
+            index = int(batch.indices[si])
+            (h0, w0), ratio_pad = batch.shapes[si]
+            pred = _unletterbox(det, h0, w0, ratio_pad)
+            gt, gt_cls = coco.gt_xyxy(dataset.labels[index], w0, h0)  # as in ground_truth.json
+            records.append((index, match_image(pred[:, :4], pred[:, 4], pred[:, 5], gt, gt_cls)))
+            confusion.process_image(pred, gt, gt_cls)
+            if keep_dets:
+                detections.append((index, pred))
     if was_training:
         model.train()
-    return _reduce(records, loss.cpu(), n_batches, times, names, verbose, prefix)
+    shard = _Shard(records, loss.cpu(), n_batches, times, confusion.matrix, detections)
+    result, all_detections = _reduce(shard, names, verbose, prefix, dataset.im_files)
+    if keep_dets and all_detections is not None:  # rank 0, after the broadcast: a write error stalls no rank
+        _save(all_detections, dataset, names, Path(save_dir), save_txt, save_conf, save_json)
+    return result
 
 
-def _image_stats(det: torch.Tensor, targets: torch.Tensor, si: int, shape, img_hw: tuple[int, int]) -> ImageStats:
-    """Match one image's detections to its labels, both mapped back to the original image pixels."""
-    labels = targets[targets[:, 0] == si, 1:]
-    h, w = img_hw
-    gt = xywh2xyxy(labels[:, 1:5]) * torch.tensor((w, h, w, h), device=labels.device)
-    scale_boxes(img_hw, gt, shape[0], shape[1])
-    pred = det.clone()
-    scale_boxes(img_hw, pred[:, :4], shape[0], shape[1])
-    return match_image(pred[:, :4].cpu().numpy(), pred[:, 4].cpu().numpy(), pred[:, 5].cpu().numpy(),
-                       gt.cpu().numpy(), labels[:, 0].cpu().numpy())
+def _unletterbox(det: torch.Tensor, h0: int, w0: int, ratio_pad) -> np.ndarray:
+    """Detections (n, 6) from the letterboxed image to original pixels (float32, clipped).
+
+    Each axis uses its own gain: the loader rounds the resized width and height separately, so
+    one gain for both (utils.boxes.scale_boxes) shifts boxes by up to a pixel against the labels.
+    """
+    (gain_h, gain_w), (pad_w, pad_h) = ratio_pad
+    d = det.float().cpu().numpy().copy()
+    d[:, [0, 2]] = np.clip((d[:, [0, 2]] - np.float32(pad_w)) / np.float32(gain_w), 0, w0)
+    d[:, [1, 3]] = np.clip((d[:, [1, 3]] - np.float32(pad_h)) / np.float32(gain_h), 0, h0)
+    return d
 
 
-def _reduce(records, loss, n_batches, times, names, verbose, prefix) -> ValResult:
-    """Gather every rank's per-image records to rank 0, evaluate in dataset order, broadcast."""
-    gathered = dist.gather_object((records, loss, n_batches, times))
-    result = None
+def _reduce(shard: _Shard, names: list[str], verbose: bool, prefix: str,
+            im_files: list[str]) -> tuple[ValResult, list[tuple[int, np.ndarray]] | None]:
+    """Gather every rank's shard to rank 0, evaluate once in COCO image-id order, broadcast.
+
+    The order is the images' sorted paths (utils.coco ids), not the loader's rect order, so score
+    ties across images resolve as COCOeval resolves them on val.py's json files. Returns the
+    result (every rank) and, on rank 0 only, all detections in that order.
+    """
+    gathered = dist.gather_object(shard)
+    result, detections = None, None
     if gathered is not None:
-        all_records = sorted((r for part in gathered for r in part[0]), key=lambda r: r[0])
-        metrics = evaluate([s for _, s in all_records], nc=len(names), names=names)
-        total_batches = max(sum(p[2] for p in gathered), 1)
-        mean_loss = (sum(p[1] for p in gathered) / total_batches).tolist()
-        n_images = len(all_records)
-        speed = tuple(float(v) for v in (sum(p[3] for p in gathered) / max(n_images, 1) * 1e3))
-        result = ValResult(metrics=metrics, loss=mean_loss, speed_ms=speed, images=n_images)
+        image_id = coco.image_ids(im_files)
+
+        def order(item: tuple) -> int:
+            return image_id[im_files[item[0]]]
+
+        records = sorted((r for part in gathered for r in part.records), key=order)
+        detections = sorted((d for part in gathered for d in part.detections), key=order)
+        metrics = evaluate([s for _, s in records], nc=len(names), names=names)
+        total_batches = max(sum(p.n_batches for p in gathered), 1)
+        mean_loss = (sum(p.loss for p in gathered) / total_batches).tolist()
+        speed = tuple(float(v) for v in (sum(p.times for p in gathered) / max(len(records), 1) * 1e3))
+        confusion = np.sum([p.confusion for p in gathered], axis=0, dtype=np.int64)  # integers: any order
+        result = ValResult(metrics=metrics, loss=mean_loss, speed_ms=speed, images=len(records), confusion=confusion)
         _log(result, names, verbose, prefix)
-    return dist.broadcast_object(result)
+    return dist.broadcast_object(result), detections
+
+
+def _save(detections: list[tuple[int, np.ndarray]], dataset, names: list[str], save_dir: Path,
+          save_txt: bool, save_conf: bool, save_json: bool) -> None:
+    """Rank 0 writes what was asked, in image-id order, so files do not depend on the world size.
+
+    save_txt: labels/<stem>.txt, one ``cls xc yc w h [conf]`` row per detection, normalised to the
+    original image (YOLOv5's format; images without detections get no file).
+    save_json: predictions.json (COCO results) and ground_truth.json (COCO GT, same ids).
+    """
+    if save_txt:
+        rows: dict[str, list[str]] = {}  # stem -> lines; stems repeated across folders share a file
+        for index, det in detections:
+            h0, w0 = (int(v) for v in dataset.shapes[index][::-1])
+            xywhn = xyxy2xywhn(det[:, :4].astype(np.float64), w=w0, h=h0)
+            for (*xywh, conf, cls) in np.concatenate([xywhn, det[:, 4:6]], 1).tolist():
+                line = (int(cls), *xywh, conf) if save_conf else (int(cls), *xywh)
+                rows.setdefault(Path(dataset.im_files[index]).stem, []).append(("%g " * len(line)).rstrip() % line)
+        (save_dir / "labels").mkdir(parents=True, exist_ok=True)
+        for stem, lines in rows.items():
+            (save_dir / "labels" / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+        LOGGER.info(f"{len(rows)} label files saved to {save_dir / 'labels'}")
+    if save_json:
+        ids = coco.image_ids(dataset.im_files)
+        preds = [d for index, det in detections for d in coco.detections(det, ids[dataset.im_files[index]])]
+        coco.write_json(preds, save_dir / "predictions.json")
+        coco.write_json(coco.dataset_ground_truth(dataset, names), save_dir / "ground_truth.json")
+        LOGGER.info(f"{len(preds)} COCO detections saved to {save_dir / 'predictions.json'}, "
+                    f"ground truth to {save_dir / 'ground_truth.json'}")
 
 
 def _log(result: ValResult, names: list[str], verbose: bool, prefix: str) -> None:
@@ -149,18 +235,26 @@ def _log(result: ValResult, names: list[str], verbose: bool, prefix: str) -> Non
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--weights", nargs="+", required=True, help="checkpoint path(s) written by train.py")
+    p.add_argument("--weights", nargs="+", required=True, help="checkpoint path(s) written by train.py, scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch (per rank)")
     p.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, help="inference size (default: training size)")
     p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
     p.add_argument("--max-det", type=int, default=300, help="maximum detections per image")
-    p.add_argument("--task", default="val", choices=("val", "test"), help="which split to score")
+    p.add_argument("--task", default="val", choices=("val", "test", "speed"),
+                   help="split to score; speed: time the val split at conf 0.25, IoU 0.45, saving nothing")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
     p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
     p.add_argument("--single-cls", action="store_true", help="treat as single-class dataset")
     p.add_argument("--verbose", action="store_true", help="report mAP by class")
+    p.add_argument("--save-txt", action="store_true", help="save detections to labels/<stem>.txt (YOLO format)")
+    p.add_argument("--save-conf", action="store_true", help="append each detection's confidence in --save-txt files")
+    p.add_argument("--save-json", action="store_true",
+                   help="save COCO predictions.json, the split's ground_truth.json and metrics.json")
+    p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
+    p.add_argument("--name", default="exp", help="save results to project/name")
+    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
     p.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
@@ -169,15 +263,42 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
+    """YOLOv5's task rules: speed scores the val split at conf 0.25 / IoU 0.45 and saves nothing."""
+    if opt.task == "speed":
+        if opt.save_txt or opt.save_json:
+            LOGGER.warning("--task speed saves nothing: --save-txt and --save-json are ignored")
+        opt.conf_thres, opt.iou_thres, opt.save_txt, opt.save_json = 0.25, 0.45, False, False
+        LOGGER.info("speed: timing the val split at conf 0.25, IoU 0.45 (YOLOv5's speed settings); nothing is saved")
+    elif opt.conf_thres > 0.001:
+        LOGGER.warning(f"WARNING: --conf-thres {opt.conf_thres} > 0.001 lowers mAP (COCO scores every detection)")
+    if opt.exist_ok and len(opt.weights) > 1 and (opt.save_txt or opt.save_json):
+        raise UserError("--exist-ok with several --weights would overwrite each checkpoint's files with the next; "
+                        "drop --exist-ok (each checkpoint gets its own project/name folder)")
+    return opt
+
+
 def main(opt: argparse.Namespace) -> list[ValResult]:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
+    check_opt(opt)
     device = dist.select_device(opt.device, info=info)
     dist.init_distributed(info, device)
     try:
         return [validate_checkpoint(opt, w, info, device) for w in opt.weights]
     finally:
         dist.cleanup_distributed()
+
+
+def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path | None:
+    """project/name (incremented unless --exist-ok), chosen and created by rank 0 only when saving."""
+    if not (opt.save_txt or opt.save_json):
+        return None
+    save_dir = None
+    if info.is_main:
+        save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok)
+        save_dir.mkdir(parents=True, exist_ok=True)
+    return Path(dist.broadcast_object(str(save_dir) if save_dir else None))
 
 
 def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistInfo, device: torch.device) -> ValResult:
@@ -193,21 +314,32 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
         raise UserError(f"{weights}: model has {model.detect.nc} classes but {data.file} has {len(names)}")
     stride = max(int(model.stride.max()), 32)
     imgsz = opt.imgsz or int(args.get("imgsz", 640))
-    split = getattr(data, opt.task)
+    task = "val" if opt.task == "speed" else opt.task
+    split = getattr(data, task)
     if not split:
-        raise UserError(f"{data.file}: no '{opt.task}' split")
+        raise UserError(f"{data.file}: no '{task}' split")
+    # nc is the dataset's class count: single-cls relabels rows to 0 after the scan checks them
     loader, _ = create_dataloader(split, imgsz, opt.batch_size, stride, single_cls=single_cls, rect=True, pad=0.5,
                                   rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
-                                  workers=opt.workers, nc=len(names), cache=opt.cache, cache_dir=opt.cache_dir,
-                                  prefix=f"{opt.task}: ")
+                                  workers=opt.workers, nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir,
+                                  prefix=f"{task}: ")
     LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
+    save_dir = make_save_dir(opt, info)
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
-                 half=opt.half, verbose=opt.verbose, prefix=f"{opt.task}: ")
+                 half=opt.half, verbose=opt.verbose, prefix=f"{task}: ", save_dir=save_dir, save_txt=opt.save_txt,
+                 save_conf=opt.save_conf, save_json=opt.save_json, warmup=True)
     release_ram_caches(info.local_rank, loader.dataset.imgcache)
     pre, inf, nms = result.speed_ms
     LOGGER.info(f"Speed: {pre:.1f}ms pre-process, {inf:.1f}ms inference, {nms:.1f}ms NMS per image at "
                 f"shape ({opt.batch_size}, 3, {imgsz}, {imgsz})")
     LOGGER.info(f"Results: mAP50 {result.metrics.map50:.4f}  mAP50-95 {result.metrics.map:.4f}")
+    if save_dir is not None and info.is_main:
+        coco.write_json({"weights": str(weights), "data": str(data.file), "task": task, "imgsz": imgsz,
+                         "batch_size": opt.batch_size, "conf_thres": opt.conf_thres, "iou_thres": opt.iou_thres,
+                         "max_det": opt.max_det, "images": result.images, "speed_ms": list(result.speed_ms),
+                         "metrics": result.metrics.as_dict(), "confusion_matrix": result.confusion.tolist()},
+                        save_dir / "metrics.json")
+        LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
     return result
 
 

@@ -1,0 +1,164 @@
+"""COCO json for YOLO-format splits: ground truth, predictions, and an export command.
+
+pycocotools (or any COCO tool) can score ``val.py --save-json`` output against the split's
+ground truth written here, and gets val.py's mAP: both files use the same ids.
+
+- image ids: 1, 2, ... in sorted image-path order of the split's usable images (the order the
+  label scan keeps); ``file_name`` holds the image path, ``width``/``height`` its original size.
+  val.py evaluates images in this same order, so score ties resolve as COCOeval resolves them.
+- category ids: the YOLO class index (0-based, as YOLOv5's predictions.json on custom data).
+- boxes: ``[x, y, w, h]`` in original-image pixels, GT clipped to the image as val.py does.
+- numbers: the shortest decimal that reads back as the same float32, i.e. the precision the
+  model computed and no noise digits; scores keep their exact order.
+
+    python -m utils.coco --data data/shapes.yaml --task val --out gt.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from utils.errors import UserError, run_entry_point
+
+
+def image_ids(im_files: Sequence[str]) -> dict[str, int]:
+    """COCO image id of each image path: 1-based rank in sorted path order (independent of rect sorting)."""
+    return {f: i for i, f in enumerate(sorted(im_files), 1)}
+
+
+def short_floats(x: Any) -> list[float]:
+    """Values as the fewest decimals that still read back as the same float32 (vectorised)."""
+    x32 = np.asarray(x, dtype=np.float32).reshape(-1)
+    x64 = x32.astype(np.float64)
+    out, done = x64.copy(), ~np.isfinite(x64)
+    for decimals in range(13):  # float32 never needs more than 9 significant digits
+        r = np.round(x64, decimals)
+        ok = ~done & (r.astype(np.float32) == x32)
+        out[ok], done = r[ok], done | ok
+        if done.all():
+            break
+    return out.tolist()
+
+
+def _xyxy_to_xywh(xyxy: np.ndarray) -> np.ndarray:
+    """(n, 4) float32 xyxy -> float32 [x, y, w, h] (width and height computed in float32)."""
+    xyxy = np.asarray(xyxy, dtype=np.float32).reshape(-1, 4)
+    return np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1)
+
+
+def detections(det: np.ndarray, image_id: int) -> list[dict[str, Any]]:
+    """COCO results for one image: det (n, 6) [x1, y1, x2, y2, score, cls] in original pixels, order kept."""
+    det = np.asarray(det, dtype=np.float32).reshape(-1, 6)
+    boxes = np.asarray(short_floats(_xyxy_to_xywh(det[:, :4]))).reshape(-1, 4).tolist()
+    scores = short_floats(det[:, 4])
+    return [{"image_id": image_id, "category_id": int(c), "bbox": b, "score": s}
+            for b, s, c in zip(boxes, scores, det[:, 5].tolist())]
+
+
+def gt_xyxy(labels: np.ndarray, w: int, h: int) -> tuple[np.ndarray, np.ndarray]:
+    """YOLO rows (cls, xc, yc, w, h) normalised -> float64 xyxy pixels clipped to the image, int64 classes.
+
+    The one conversion behind both val.py's matching and ground_truth.json, so they see the same boxes.
+    """
+    lb = np.asarray(labels, dtype=np.float64).reshape(-1, 5)
+    xyxy = np.stack([lb[:, 1] - lb[:, 3] / 2, lb[:, 2] - lb[:, 4] / 2,
+                     lb[:, 1] + lb[:, 3] / 2, lb[:, 2] + lb[:, 4] / 2], 1) * (w, h, w, h)
+    return np.clip(xyxy, 0, (w, h, w, h)), lb[:, 0].astype(np.int64)
+
+
+def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], shapes_wh: np.ndarray,
+                 names: Sequence[str], description: str = "") -> dict[str, Any]:
+    """COCO ground truth for a scanned split: labels are YOLO rows (cls, xc, yc, w, h) normalised.
+
+    Images are listed by id (sorted paths), including those without labels: their detections are
+    false positives in COCOeval as in val.py. Annotation ids start at 1 (COCOeval treats 0 as
+    "unmatched").
+    """
+    ids = image_ids(im_files)
+    order = sorted(range(len(im_files)), key=lambda i: ids[im_files[i]])
+    images, annotations = [], []
+    for i in order:
+        w, h = (int(v) for v in shapes_wh[i])
+        images.append({"id": ids[im_files[i]], "file_name": str(im_files[i]), "width": w, "height": h})
+        xyxy, cls = gt_xyxy(labels[i], w, h)
+        boxes = np.asarray(short_floats(_xyxy_to_xywh(xyxy))).reshape(-1, 4)
+        for box, c in zip(boxes.tolist(), cls.tolist()):
+            annotations.append({"id": len(annotations) + 1, "image_id": ids[im_files[i]], "category_id": c,
+                                "bbox": box, "area": short_floats(box[2] * box[3])[0], "iscrowd": 0})
+    return {"info": {"description": description}, "images": images, "annotations": annotations,
+            "categories": [{"id": i, "name": str(n)} for i, n in enumerate(names)]}
+
+
+def dataset_ground_truth(dataset: Any, names: Sequence[str]) -> dict[str, Any]:
+    """ground_truth() of a LoadImagesAndLabels (rect-sorted or not: the ids do not change)."""
+    split = dataset.path if isinstance(dataset.path, (list, tuple)) else [dataset.path]
+    return ground_truth(dataset.im_files, dataset.labels, dataset.shapes, names,
+                        description=f"yolotrain ground truth of {', '.join(str(p) for p in split)}")
+
+
+def write_json(obj: Any, path: str | Path) -> None:
+    """Write json atomically (temp file + rename), so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: bool = False,
+                 cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """Scan one split of a data yaml (generating a built-in dataset if needed) and write its COCO GT."""
+    from utils.config import load_data_config, prepare_dataset
+    from utils.dataset import LoadImagesAndLabels
+
+    data = load_data_config(data_file)
+    split = getattr(data, task)
+    if not split:
+        raise UserError(f"{data.file}: no '{task}' split")
+    prepare_dataset(data)
+    names = ["item"] if single_cls else data.names
+    ds = LoadImagesAndLabels(split, nc=len(data.names), single_cls=single_cls, rect=False,
+                             cache_dir=Path(cache_dir) if cache_dir else None, prefix=f"{task}: ")
+    gt = dataset_ground_truth(ds, names)
+    write_json(gt, out)
+    return gt
+
+
+def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m utils.coco", description="Export a YOLO-format split's ground truth "
+                                "as COCO json (ids match val.py --save-json)")
+    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--task", default="val", choices=("train", "val", "test"), help="which split")
+    p.add_argument("--out", required=True, help="output json file")
+    p.add_argument("--single-cls", action="store_true", help="one class 'item', as val.py --single-cls")
+    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
+    return p.parse_args(argv)
+
+
+def main(opt: argparse.Namespace) -> None:
+    from utils.logging import LOGGER, setup_logging
+
+    setup_logging()
+    gt = export_split(opt.data, opt.task, opt.out, opt.single_cls, opt.cache_dir)
+    LOGGER.info(f"{opt.out}: {len(gt['images'])} images, {len(gt['annotations'])} annotations, "
+                f"{len(gt['categories'])} categories")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    return run_entry_point(lambda: main(parse_opt(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
