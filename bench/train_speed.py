@@ -1,0 +1,470 @@
+#!/usr/bin/env python
+"""Training throughput: steady-state images/s, a per-step time breakdown and model-FLOP utilisation.
+
+    python bench/train_speed.py                                # yolov5n and s at 320 and 640, batch 16
+    python bench/train_speed.py --models n --imgsz 320 --steps 8 --device cpu
+    torchrun --nproc_per_node 2 bench/train_speed.py --models n --imgsz 320
+    python bench/train_speed.py --models n --imgsz 320 --scaling 2   # 1 process, then 2, and the efficiency
+    python bench/train_speed.py --models n --imgsz 320 --profile torch   # where the step's time goes
+
+Each configuration is trained the way train.py trains it, from the same building blocks: the
+built-in shapes dataset through ``create_dataloader`` (mosaic etc. from hyp.scratch-low.yaml,
+train.py's default workers), ``smart_optimizer`` (SGD), ``ModelEMA``, ``ComputeLoss`` with
+train.py's gain scaling, its per-step NaN all-reduce, AMP + GradScaler on CUDA, DDP under torchrun,
+gradient clipping and accumulation to train.py's nominal batch of 64 (an optimizer step every
+``accumulate`` batches, as after warmup). Only the LR/momentum warmup and the progress bar are
+left out; neither costs measurable time on CPU.
+
+Figures:
+  img/s      images per second summed over all ranks, over the timed steps only (warm-up steps
+             start the loader workers and fill allocator caches). The timed window is the
+             slowest rank's, so a straggler counts.
+  breakdown  mean ms per step of each phase: data (waiting for the loader), prep (copy to
+             device, /255), forward, loss (target building + loss), nan-check (train.py's
+             per-step all-reduce of a NaN flag), backward (includes DDP's gradient all-reduce),
+             optim (unscale, clip, SGD step, zero_grad, EMA; amortised over accumulate steps).
+             On CUDA the device is synchronised at each phase boundary, only here, so phases do
+             not overlap as they would in train.py; --no-sync times the whole step only.
+  MFU        model-FLOP utilisation = training FLOPs per image (3 x the forward FLOPs that thop
+             counts, as Model.info reports them) x img/s, divided by the throughput of a large
+             matmul (and, second figure, a 3x3 convolution) timed in the same run, by every rank
+             at once with the same thread count: the machine's own limit for that set-up.
+
+Timings on a shared machine are noisy: compare figures only from the same run (--scaling does
+both halves back to back), and take final figures on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere, also under torchrun
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PHASES = ("data", "prep", "forward", "loss", "nan-check", "backward", "optim")
+
+
+@dataclass
+class Result:
+    """One configuration's figures, as rank 0 prints them (and --json writes them)."""
+
+    model: str
+    imgsz: int
+    world_size: int
+    batch: int  # global
+    threads: int  # intra-op threads per rank
+    workers: int  # loader workers per rank (after create_dataloader's cap)
+    accumulate: int
+    steps: int
+    img_s: float
+    ms: dict[str, float] = field(default_factory=dict)  # mean per step, averaged over ranks
+    train_gflops_per_img: float = 0.0
+    ref_matmul_gflops: float = 0.0  # summed over ranks
+    ref_conv_gflops: float = 0.0
+    mfu_matmul: float = 0.0
+    mfu_conv: float = 0.0
+    device: str = "cpu"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["n", "s"], help="model sizes (models/yolov5<size>.yaml)")
+    p.add_argument("--imgsz", nargs="+", type=int, default=[320, 640], help="training image sizes")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, split over ranks as in train.py")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="untimed steps first (loader start-up, allocator); rounded up to whole accumulation cycles")
+    p.add_argument("--steps", type=int, default=4, help="timed steps; rounded up to whole accumulation cycles")
+    p.add_argument("--accumulate", type=int, default=0,
+                   help="batches per optimizer step (0: train.py's steady state for the batch size)")
+    p.add_argument("--device", default="", help="'' (auto), cpu, 0 ... as in train.py")
+    p.add_argument("--workers", type=int, default=8, help="max loader workers per rank (train.py's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads per rank (0: leave torch's default)")
+    p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
+    p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ref-seconds", type=float, default=1.0, help="time spent on each reference kernel")
+    p.add_argument("--no-sync", action="store_true", help="no device sync between phases (CUDA: total only)")
+    p.add_argument("--profile", choices=("torch", "cprofile"), default=None,
+                   help="profile the timed steps and print the top entries")
+    p.add_argument("--profile-rows", type=int, default=25, help="rows of profile output")
+    p.add_argument("--scaling", type=int, default=0, metavar="N",
+                   help="run each configuration with 1 and then N processes (torchrun) and print the efficiency")
+    p.add_argument("--json", default=None, help="also write the results to this file (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    opt = p.parse_args(argv)
+    if opt.steps < 1 or opt.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    return opt
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def _timed_rate(fn, flops: float, seconds: float, sync, windows: int = 5) -> float:
+    """Best FLOP/s of ``fn`` (``flops`` per call) over ``windows`` windows of ``seconds / windows``.
+
+    The best window, not the mean: the reference is the machine's limit, and on a shared machine
+    the other windows are slowed by whatever else runs.
+    """
+    fn()
+    sync()
+    best = 0.0
+    for _ in range(windows):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            sync()
+            dt = time.perf_counter() - t0
+            if dt >= seconds / windows:
+                break
+        best = max(best, n * flops / dt)
+    return best
+
+
+@torch.no_grad()
+def reference_flops(device: torch.device, seconds: float) -> tuple[float, float]:
+    """This rank's matmul and 3x3-conv FLOP/s, timed while every rank does the same (barrier first).
+
+    CPU: fp32 (what CPU training runs in). CUDA: fp16, since train.py trains with AMP there.
+    The conv is a mid-network YOLO layer shape (128 -> 128 channels, 40 x 40, batch 16).
+    """
+    from utils import dist
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    x = torch.randn(16, 128, 40, 40, device=device, dtype=dtype)
+    conv = torch.nn.Conv2d(128, 128, 3, padding=1, bias=False).to(device, dtype)
+    sync = _syncer(device, True)
+    dist.barrier()
+    mm = _timed_rate(lambda: a @ b, 2.0 * n ** 3, seconds, sync)
+    dist.barrier()
+    cv = _timed_rate(lambda: conv(x), 2.0 * 16 * 128 * 128 * 9 * 40 * 40, seconds, sync)
+    return mm, cv
+
+
+def _syncer(device: torch.device, enabled: bool):
+    """A function that waits for the device (a no-op on CPU, or when disabled)."""
+    if enabled and device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+# ---------------------------------------------------------------------------------------------- training step
+
+
+def _batches(loader) -> Iterator[Any]:
+    """Batches without end: the next epoch (same persistent workers) when one runs out."""
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
+    """Build the training set-up train.py builds for one model and image size, and time its steps."""
+    from models.yolo import Model, de_parallel
+    from train import init_seeds, loss_hyp
+    from utils import dist
+    from utils.config import load_data_config, load_hyp, prepare_dataset
+    from utils.loader import create_dataloader
+    from utils.loss import ComputeLoss
+    from utils.optim import NOMINAL_BATCH, ModelEMA, accumulate_steps, smart_optimizer
+
+    with dist.torch_distributed_zero_first(info.local_rank):
+        data = load_data_config(opt.data)
+        prepare_dataset(data)
+    hyp = load_hyp(opt.hyp)
+    init_seeds(opt.seed)
+    model = Model(ROOT / "models" / f"yolov5{size}.yaml", nc=data.nc, anchors=data.anchors).to(device)
+    gflops = model.info(imgsz).gflops  # forward, per image, at imgsz (thop)
+    gs = max(int(model.stride.max()), 32)
+    batch = opt.batch_size // info.world_size
+    loader, _ = create_dataloader(data.train, imgsz, batch, gs, hyp=hyp, augment=True, shuffle=True,
+                                  rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+                                  workers=opt.workers, seed=opt.seed, nc=data.nc, prefix="train: ")
+    accumulate = opt.accumulate or accumulate_steps(opt.batch_size)
+    # whole accumulation cycles, so the timed window holds its fair share of optimizer steps
+    warmup_steps, steps = (-(-n // accumulate) * accumulate for n in (opt.warmup, opt.steps))
+    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
+    optimizer = smart_optimizer(model, "SGD", hyp.lr0, hyp.momentum, decay)
+    ema = ModelEMA(model)
+    amp = device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
+    model = dist.smart_DDP(model, device)
+    compute_loss = ComputeLoss(model, loss_hyp(hyp, de_parallel(model).detect.nl, data.nc, imgsz))
+    model.train()
+    world = info.world_size
+    sync = _syncer(device, not opt.no_sync)
+    totals = dict.fromkeys(PHASES, 0.0)
+    batches = _batches(loader)
+    profiler, wall = None, 0.0
+    for k in range(warmup_steps + steps):
+        timed = k >= warmup_steps
+        if k == warmup_steps:
+            dist.barrier()  # every rank starts the timed window together
+            _sync_all(device)
+            profiler = _start_profiler(opt.profile, device)
+            t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        b = next(batches)
+        t1 = time.perf_counter()
+        imgs = b.images.to(device, non_blocking=True).float() / 255
+        targets = b.targets.to(device)
+        sync()
+        t2 = time.perf_counter()
+        with torch.autocast(device.type, enabled=amp):
+            pred = model(imgs)
+            sync()
+            t3 = time.perf_counter()
+            loss, loss_items = compute_loss(pred, targets)
+            sync()
+        t4 = time.perf_counter()
+        nan_check(loss_items, world)
+        t5 = time.perf_counter()
+        if world > 1:
+            loss = loss * world  # as train.py: DDP averages gradients, YOLOv5's loss is a batch sum
+        scaler.scale(loss).backward()
+        sync()
+        t6 = time.perf_counter()
+        if (k + 1) % accumulate == 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            ema.update(model)
+            sync()
+        t7 = time.perf_counter()
+        if timed:
+            for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
+                totals[name] += dt
+    _sync_all(device)
+    wall = time.perf_counter() - t_start
+    profile_text = _stop_profiler(profiler, opt.profile, opt.profile_rows)
+    del batches, loader  # ends the persistent workers before the next configuration
+    parts = dist.all_gather_object({"wall": wall, "totals": totals, "threads": torch.get_num_threads(),
+                                    "workers": _loader_workers(opt.workers, batch, world), "profile": profile_text})
+    if not info.is_main:
+        return None
+    slowest = max(p["wall"] for p in parts)
+    ms = {name: 1e3 * sum(p["totals"][name] for p in parts) / len(parts) / steps for name in PHASES}
+    for r, p in enumerate(parts):
+        if p["profile"]:
+            print(f"\n--- profile, yolov5{size} {imgsz}px, rank {r} ---\n{p['profile']}")
+    return Result(model=f"yolov5{size}", imgsz=imgsz, world_size=world, batch=batch * world,
+                  threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
+                  steps=steps, img_s=steps * batch * world / slowest, ms=ms,
+                  train_gflops_per_img=3 * gflops, device=device.type)
+
+
+def nan_check(loss_items: torch.Tensor, world: int) -> None:
+    """What train.py's per-step check costs: one all-reduce of a per-rank flag vector, then a host read.
+
+    Kept here rather than imported because train.py's helper also carries its save clock and its
+    name has changed; the communication and the device-to-host read are the same.
+    """
+    from utils import dist
+
+    flags = torch.zeros(world + 1, device=loss_items.device)
+    flags[dist.get_rank()] = float(not torch.isfinite(loss_items).all())
+    if dist.all_reduce_sum(flags)[:world].any():
+        raise SystemExit(f"non-finite loss {loss_items.tolist()}")
+
+
+def _loader_workers(workers: int, batch: int, world: int) -> int:
+    """The worker count create_dataloader chooses (it caps by cores per rank and batch)."""
+    return min((os.cpu_count() or 1) // max(world, 1), batch if batch > 1 else 0, workers)
+
+
+def _sync_all(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _start_profiler(kind: str | None, device: torch.device):
+    if kind == "torch":
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
+        return prof
+    if kind == "cprofile":
+        prof = cProfile.Profile()
+        prof.enable()
+        return prof
+    return None
+
+
+def _stop_profiler(prof, kind: str | None, rows: int) -> str:
+    """The profile as text: torch's self-time table, or cProfile's cumulative listing."""
+    if prof is None:
+        return ""
+    if kind == "torch":
+        prof.__exit__(None, None, None)
+        key = "self_cuda_time_total" if any(e.device_type.name == "CUDA" for e in prof.key_averages()) else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=rows)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def finish_result(r: Result, mm: float, cv: float) -> Result:
+    """Add the reference throughputs (summed over ranks) and the MFU they imply."""
+    achieved = r.train_gflops_per_img * r.img_s  # GFLOP/s
+    r.ref_matmul_gflops, r.ref_conv_gflops = mm / 1e9, cv / 1e9
+    r.mfu_matmul = achieved / r.ref_matmul_gflops if mm else 0.0
+    r.mfu_conv = achieved / r.ref_conv_gflops if cv else 0.0
+    return r
+
+
+def format_results(results: list[Result]) -> str:
+    """A table: throughput, the per-step breakdown in ms (and its shares), FLOPs and MFU."""
+    head = (f"{'model':<8}{'px':>5}{'ranks':>6}{'thr':>4}{'wrk':>4}{'img/s':>8} |"
+            + "".join(f"{n:>10}" for n in PHASES) + f"{'step':>9} |{'GFLOP/img':>10}{'GFLOP/s':>9}"
+            f"{'MFU mm':>8}{'MFU cv':>8}{'ref mm':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        step = sum(r.ms.values())
+        lines.append(f"{r.model:<8}{r.imgsz:>5}{r.world_size:>6}{r.threads:>4}{r.workers:>4}{r.img_s:>8.1f} |"
+                     + "".join(f"{r.ms[n]:>8.0f}ms" for n in PHASES) + f"{step:>7.0f}ms |"
+                     f"{r.train_gflops_per_img:>10.2f}{r.train_gflops_per_img * r.img_s:>9.1f}"
+                     f"{100 * r.mfu_matmul:>7.1f}%{100 * r.mfu_conv:>7.1f}%{r.ref_matmul_gflops:>8.0f}")
+        lines.append(f"{'':<8}{'':>5}{'':>6}{'':>4}{'':>4}{'share':>8} |"
+                     + "".join(f"{100 * r.ms[n] / step:>9.1f}%" for n in PHASES))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- scaling
+
+
+def scaling(opt: argparse.Namespace, argv: list[str]) -> None:
+    """Run this script with 1 process and then with N (torchrun) per configuration; print efficiency.
+
+    Efficiency = img/s with N processes / (N x img/s with 1): 100 % is perfect linear scaling
+    at the same global batch (train.py's --batch-size is global, so each rank gets batch / N).
+    """
+    n = opt.scaling
+    base = _strip_flag(argv, "--scaling", 1)
+    base = _strip_flag(base, "--json", 1)
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    rows = []
+    for size in opt.models:
+        for imgsz in opt.imgsz:
+            one = ["--models", size, "--imgsz", str(imgsz)]
+            base_cfg = _strip_flag(_strip_flag(base, "--models", None), "--imgsz", None)
+            single = _run_json([sys.executable, str(Path(__file__).resolve()), *base_cfg, *one], env)
+            multi = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                               str(Path(__file__).resolve()), *base_cfg, *one], env)
+            rows.append((single, multi))
+            print(f"yolov5{size} {imgsz}px: 1 process {single.img_s:.1f} img/s ({single.threads} threads), "
+                  f"{n} processes {multi.img_s:.1f} img/s ({multi.threads} threads each): "
+                  f"speed-up {multi.img_s / single.img_s:.2f}x, efficiency {multi.img_s / (n * single.img_s):.0%}",
+                  flush=True)
+    print("\nscaling, back to back in this run (global batch the same for both):")
+    print(format_results([r for pair in rows for r in pair]))
+    if opt.json:
+        Path(opt.json).write_text(json.dumps([[asdict(a), asdict(b)] for a, b in rows], indent=1))
+
+
+def _strip_flag(argv: list[str], flag: str, nvalues: int | None) -> list[str]:
+    """argv without ``flag`` and its values (``None``: every value up to the next --flag)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag or a.startswith(flag + "="):
+            i += 1
+            if "=" in a:
+                continue
+            if nvalues is None:
+                while i < len(argv) and not argv[i].startswith("--"):
+                    i += 1
+            else:
+                i += nvalues
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def _run_json(cmd: list[str], env: dict[str, str]) -> Result:
+    """Run one benchmark process (or torchrun group) and read back its single result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        print("$ " + " ".join(cmd), flush=True)
+        proc = subprocess.run([*cmd, "--json", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        if proc.returncode or not out.is_file():
+            sys.stdout.write(proc.stdout[-4000:])
+            raise SystemExit(f"benchmark process failed (exit {proc.returncode})")
+        return Result(**json.loads(out.read_text())[0])
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    opt = parse_args(argv)
+    if opt.scaling:
+        scaling(opt, argv)
+        return
+    from utils import dist
+    from utils.logging import setup_logging
+
+    info = dist.dist_info(opt.local_rank)
+    setup_logging(info.rank, info.world_size, verbose=False)
+    if opt.threads:
+        torch.set_num_threads(opt.threads)
+    device = dist.select_device(opt.device, opt.batch_size, info)
+    dist.init_distributed(info, device)
+    try:
+        results = []
+        for size in opt.models:
+            for imgsz in opt.imgsz:
+                # the machine's limit just before each configuration: on a shared machine it drifts
+                mm, cv = reference_flops(device, opt.ref_seconds)
+                mm_all, cv_all = (sum(v) for v in zip(*dist.all_gather_object((mm, cv))))
+                r = run_config(size, imgsz, opt, device, info)
+                if r is not None:
+                    results.append(finish_result(r, mm_all, cv_all))
+                    print(f"yolov5{size} {imgsz}px: {r.img_s:.1f} img/s; reference ({torch.get_num_threads()} "
+                          f"threads x {info.world_size} rank(s), {'fp16' if device.type == 'cuda' else 'fp32'}): "
+                          f"matmul {mm_all / 1e9:.1f} GFLOP/s, 3x3 conv {cv_all / 1e9:.1f} GFLOP/s", flush=True)
+        if info.is_main:
+            print(f"\nbatch {opt.batch_size} global, accumulate {results[0].accumulate if results else '-'}, "
+                  f"{results[0].steps if results else opt.steps} timed steps after warm-up, ms per step averaged over ranks")
+            print(format_results(results))
+            if opt.json:
+                Path(opt.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    finally:
+        dist.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()

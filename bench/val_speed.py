@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""val.py speed: end-to-end images/s (load checkpoint -> results) and where the time goes.
+
+    python bench/val_speed.py                                  # fresh yolov5n, built-in shapes val split
+    python bench/val_speed.py --weights runs/train/exp/weights/best.pt --runs 3
+    python bench/val_speed.py --model s --imgsz 640 --batch-size 16 --device cpu
+
+Runs val.py's own ``main`` in this process, unchanged, and times it from outside by wrapping a
+few of val.py's module-level names (each is looked up when called, so the wrapper sees every
+call; a name val.py no longer has is reported as n/a instead of failing):
+
+  end-to-end   val.main: parse -> load checkpoint -> data -> loader -> run() -> results
+  set-up       end-to-end minus run(): checkpoint, dataset yaml, label cache, loader + workers
+  data wait    time run() spent waiting for the next batch (the loader is wrapped)
+  pre-process, inference, NMS   val.py's own per-image figures (ValResult.speed_ms)
+  matching     utils.metrics.match_image, per image, inside the loop
+  evaluate     utils.metrics.evaluate, once at the end (COCO accumulation)
+  other        the rest of run(): model fuse + copy, the untimed warm-up batch, mapping boxes back
+               to original pixels, confusion matrix, gather/broadcast, progress bar
+
+Without --weights a freshly initialised model (seeded) is saved to a temporary checkpoint: no
+download, but an untrained model emits few boxes above conf 0.001, so NMS and matching are
+cheaper than for a trained checkpoint; pass --weights for representative NMS/metric figures.
+The first run also pays cold caches (imports, file system); each run is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+class Timers:
+    """Accumulated seconds per label, fed by wrapped functions and the loader proxy."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, module: Any, name: str, label: str) -> bool:
+        """Replace ``module.name`` by a timed call of the same function; False if it does not exist."""
+        inner = getattr(module, name, None)
+        if inner is None:
+            return False
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t
+                self.calls[label] += 1
+
+        setattr(module, name, timed)
+        return True
+
+
+class TimedLoader:
+    """A DataLoader stand-in that times each wait for the next batch and passes everything else on."""
+
+    def __init__(self, loader: Any, timers: Timers) -> None:
+        self._loader, self._timers = loader, timers
+
+    def __iter__(self):
+        it = iter(self._loader)
+        while True:
+            t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                self._timers.seconds["data wait"] += time.perf_counter() - t
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) -> Path:
+    """A seeded, untrained model saved as val.py expects a training checkpoint."""
+    from models.yolo import Model
+    from utils.checkpoint import fp32_state_dict, save_checkpoint, to_plain
+    from utils.config import load_data_config
+
+    names = load_data_config(data).names
+    torch.manual_seed(seed)
+    model = Model(ROOT / "models" / f"yolov5{size}.yaml", nc=len(names))
+    state = fp32_state_dict(model)
+    path = folder / f"fresh_yolov5{size}.pt"
+    save_checkpoint({"epoch": -1, "model_yaml": to_plain(model.yaml), "model": state, "ema": state,
+                     "args": {"imgsz": imgsz, "data": str(data)}, "names": list(names)}, path)
+    return path
+
+
+def instrument(val: Any, timers: Timers) -> list[str]:
+    """Wrap val.py's names; returns the labels that could not be wrapped."""
+    from utils.loader import create_dataloader
+
+    def timed_loader(*args, **kwargs):
+        loader, dataset = create_dataloader(*args, **kwargs)
+        return TimedLoader(loader, timers), dataset
+
+    missing = []
+    if hasattr(val, "create_dataloader"):
+        val.create_dataloader = timed_loader
+    else:
+        missing.append("data wait")
+    for name, label in (("run", "run"), ("match_image", "matching"), ("evaluate", "evaluate")):
+        if not timers.wrap(val, name, label):
+            missing.append(label)
+    return missing
+
+
+def one_run(argv: list[str]) -> dict[str, Any]:
+    """val.main once (fresh module state for the wrappers); returns its figures in seconds."""
+    import importlib
+
+    import val
+
+    val = importlib.reload(val)  # undo the previous run's wrappers
+    timers = Timers()
+    missing = instrument(val, timers)
+    t = time.perf_counter()
+    result = val.main(val.parse_opt(argv))[0]
+    total = time.perf_counter() - t
+    n = result.images
+    pre, inf, nms = (v * n / 1e3 for v in result.speed_ms)
+    s = timers.seconds
+    run_s = s["run"]
+    known = s["data wait"] + pre + inf + nms + s["matching"] + s["evaluate"]
+    return {"images": n, "total": total, "run": run_s, "set-up": total - run_s, "data wait": s["data wait"],
+            "pre-process": pre, "inference": inf, "NMS": nms, "matching": s["matching"], "evaluate": s["evaluate"],
+            "other": run_s - known, "missing": missing, "map": result.metrics.map, "map50": result.metrics.map50}
+
+
+def format_run(k: int, r: dict[str, Any]) -> str:
+    parts = ("set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "other")
+    n = max(r["images"], 1)
+    lines = [f"run {k}: {r['images']} images, end-to-end {r['total']:.2f}s = {n / r['total']:.1f} img/s "
+             f"(run() alone {n / r['run']:.1f} img/s); mAP50 {r['map50']:.4f} mAP50-95 {r['map']:.4f}"]
+    for p in parts:
+        v, total = r[p], r["total"]
+        if p in r["missing"]:
+            lines.append(f"  {p:<12}{'n/a':>10}")
+        else:
+            lines.append(f"  {p:<12}{v:9.2f}s{1e3 * v / n:9.2f} ms/img{100 * v / total:7.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--weights", default=None, help="checkpoint to score (default: a fresh model, see above)")
+    p.add_argument("--model", default="n", help="size of the fresh model when no --weights")
+    p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
+    p.add_argument("--imgsz", type=int, default=320)
+    p.add_argument("--batch-size", type=int, default=32, help="val.py's default")
+    p.add_argument("--workers", type=int, default=8, help="val.py's default (capped at the cores)")
+    p.add_argument("--device", default="", help="'' (auto), cpu, 0 ...")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh model")
+    p.add_argument("--runs", type=int, default=2, help="end-to-end runs (the first one is cold)")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="val_speed_") as tmp:
+        weights = a.weights or str(fresh_checkpoint(a.model, a.imgsz, a.data, a.seed, Path(tmp)))
+        val_argv = ["--weights", weights, "--data", a.data, "--imgsz", str(a.imgsz), "--batch-size",
+                    str(a.batch_size), "--workers", str(a.workers), "--device", a.device]
+        print(f"val.py {' '.join(val_argv)}  ({torch.get_num_threads()} threads)", flush=True)
+        runs = [one_run(val_argv) for _ in range(a.runs)]
+    print()
+    for k, r in enumerate(runs, 1):
+        print(format_run(k, r))
+
+
+if __name__ == "__main__":
+    main()
