@@ -1,0 +1,312 @@
+"""val.py: the same results for any world size, COCO json that pycocotools scores identically,
+--save-txt files, --task speed, run folders, and the utils.coco ground-truth export command."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from tests.conftest import ROOT, run_env
+
+NAMES = ["circle", "square", "triangle", "star", "cross", "ring"]  # conftest's tiny_data
+TRAIN = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
+# 8 val images in batches of 5: with 3 ranks, rank 0 gets no batch, rank 1 five images, rank 2 three
+VAL = ["--batch-size", "5", "--workers", "0"]
+
+
+def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     "--nproc_per_node", str(nproc)]
+    return subprocess.run([*launcher, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _confident(ckpt_path: Path) -> None:
+    """Raise the Detect biases of a 1-epoch checkpoint so it detects with conf > 0.25.
+
+    One epoch from scratch scores mAP 0 and has nothing above the confusion-matrix threshold;
+    with objectness and class scores lifted, its boxes hit some objects, so mAP, P, R and the
+    matrix are non-zero and there are hundreds of detections to write and compare.
+    """
+    from utils.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt = load_checkpoint(ckpt_path)
+    no = ckpt["model_yaml"]["nc"] + 5
+    for state in (ckpt["model"], ckpt["ema"]):
+        heads = [k for k in state if re.fullmatch(r"model\.\d+\.m\.\d+\.bias", k) and state[k].numel() == 3 * no]
+        assert len(heads) == 3, heads
+        for k in heads:
+            b = state[k].view(3, no)
+            b[:, 4] += 6.0  # objectness
+            b[:, 5:] += 2.0  # class scores
+    save_checkpoint(ckpt, ckpt_path)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_data, tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("train")
+    _ok(_run(["train.py", "--data", str(tiny_data), "--project", str(runs), "--name", "t", *TRAIN]))
+    path = runs / "t" / "weights" / "best.pt"
+    _confident(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def val_runs(weights, tiny_data, tmp_path_factory) -> dict[int, tuple[str, Path]]:
+    """The same val.py command on 1, 2 and 3 ranks, saving everything, all with --name exp."""
+    project = tmp_path_factory.mktemp("val")
+    out = {}
+    for n in (1, 2, 3):
+        save_conf = ["--save-conf"] if n != 2 else []  # world size 2 writes 5-column label rows
+        stdout = _ok(_run(["val.py", "--weights", str(weights), "--data", str(tiny_data), *VAL, "--verbose",
+                           "--save-json", "--save-txt", *save_conf, "--project", str(project)], nproc=n))
+        out[n] = stdout, project / ("exp" if n == 1 else f"exp{n}")
+    return out
+
+
+def _metric_lines(stdout: str) -> list[str]:
+    pattern = re.compile(rf"^val: +({'|'.join(['all', *NAMES])}) +\d+ +\d+ ")
+    return [line for line in stdout.splitlines() if pattern.match(line) or line.startswith("Results:")]
+
+
+def _read_labels(folder: Path) -> dict[str, list[list[str]]]:
+    return {f.stem: [row.split() for row in f.read_text().splitlines()] for f in sorted(folder.glob("*.txt"))}
+
+
+def test_world_sizes_give_identical_metrics_and_files(val_runs):
+    from utils.loader import InferenceSampler
+
+    assert [len(InferenceSampler(8, 5, r, 3)) for r in range(3)] == [0, 5, 3]  # an empty rank, uneven shards
+    project = val_runs[1][1].parent
+    assert sorted(p.name for p in project.iterdir()) == ["exp", "exp2", "exp3"]  # one folder per run (rank 0)
+    ref_lines = _metric_lines(val_runs[1][0])
+    assert len(ref_lines) == 2 + len(NAMES) and ref_lines[-1].startswith("Results: mAP50 ")
+    ref = json.loads((val_runs[1][1] / "metrics.json").read_text())
+    assert ref["metrics"]["map50"] > 0 and ref["images"] == 8
+    for n in (2, 3):
+        stdout, run_dir = val_runs[n]
+        assert _metric_lines(stdout) == ref_lines
+        got = json.loads((run_dir / "metrics.json").read_text())
+        assert got["metrics"] == ref["metrics"]  # every float, bit for bit
+        assert got["confusion_matrix"] == ref["confusion_matrix"]
+        for name in ("predictions.json", "ground_truth.json"):
+            assert (run_dir / name).read_bytes() == (val_runs[1][1] / name).read_bytes(), name
+        assert sorted(f.name for f in run_dir.iterdir()) == ["ground_truth.json", "labels", "metrics.json",
+                                                            "predictions.json"]  # no temp files left
+    assert _read_labels(val_runs[3][1] / "labels") == _read_labels(val_runs[1][1] / "labels")
+    with_conf, without = _read_labels(val_runs[1][1] / "labels"), _read_labels(val_runs[2][1] / "labels")
+    assert {k: [r[:5] for r in v] for k, v in with_conf.items()} == without  # --save-conf only appends
+
+
+def test_confusion_matrix_accounts_for_every_label(val_runs):
+    m = json.loads((val_runs[1][1] / "metrics.json").read_text())
+    cm = np.array(m["confusion_matrix"])
+    assert cm.shape == (len(NAMES) + 1, len(NAMES) + 1) and cm.dtype.kind == "i"
+    # each label is either paired with one detection (its row) or missed (background row)
+    assert cm[:, :-1].sum(0).tolist() == m["metrics"]["nt"]
+    assert cm[:-1].sum() > 0 and cm[-1, -1] == 0  # detections above conf 0.25 exist; bg-bg is never counted
+
+
+def _cocoeval(gt_file: Path, pred_file: Path) -> tuple[float, float]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(gt_file))
+        ev = COCOeval(gt, gt.loadRes(str(pred_file)), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return float(ev.stats[1]), float(ev.stats[0])  # mAP50, mAP50-95
+
+
+def test_pycocotools_scores_the_saved_json_like_val(val_runs):
+    run_dir = val_runs[1][1]
+    metrics = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    map50, map5095 = _cocoeval(run_dir / "ground_truth.json", run_dir / "predictions.json")
+    assert metrics["map50"] > 0 and metrics["map"] > 0
+    assert abs(map50 - metrics["map50"]) < 1e-3 and abs(map5095 - metrics["map"]) < 1e-3
+    assert abs(map50 - metrics["map50"]) < 1e-9 and abs(map5095 - metrics["map"]) < 1e-9  # in fact exact
+
+
+def test_save_txt_rows_are_the_json_boxes_normalised_to_the_original_image(val_runs):
+    run_dir = val_runs[1][1]
+    gt = json.loads((run_dir / "ground_truth.json").read_text())
+    preds = json.loads((run_dir / "predictions.json").read_text())
+    labels = _read_labels(run_dir / "labels")
+    assert labels and len(labels) == len({p["image_id"] for p in preds})  # a file per image with detections
+    for image in gt["images"]:
+        h, w = cv2.imread(image["file_name"]).shape[:2]
+        assert (image["width"], image["height"]) == (w, h)
+        mine = [p for p in preds if p["image_id"] == image["id"]]
+        rows = np.array(labels.get(Path(image["file_name"]).stem, []), dtype=np.float64).reshape(-1, 6)
+        assert len(rows) == len(mine)
+        assert rows[:, 0].tolist() == [p["category_id"] for p in mine]
+        assert rows[:, 1:5].min() >= 0 and rows[:, 1:5].max() <= 1
+        x, y, bw, bh = np.array([p["bbox"] for p in mine]).reshape(-1, 4).T
+        expected = np.stack([(x + bw / 2) / w, (y + bh / 2) / h, bw / w, bh / h], 1)
+        np.testing.assert_allclose(rows[:, 1:5], expected, rtol=1e-5, atol=1e-6)  # %g: 6 significant digits
+        np.testing.assert_allclose(rows[:, 5], [p["score"] for p in mine], rtol=1e-5)
+
+
+def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path):
+    out = tmp_path / "gt.json"
+    stdout = _ok(_run(["-m", "utils.coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
+    gt = json.loads(out.read_text())
+    label_rows = sum(len(f.read_text().split("\n")) - 1 for f in (tiny_data.parent / "shapes" / "labels" / "val").glob("*.txt"))
+    assert (len(gt["images"]), len(gt["annotations"]), len(gt["categories"])) == (8, label_rows, len(NAMES))
+    assert f"{out}: 8 images, {label_rows} annotations, 6 categories" in stdout
+    assert [c["name"] for c in gt["categories"]] == NAMES and [c["id"] for c in gt["categories"]] == list(range(6))
+    assert [im["id"] for im in gt["images"]] == list(range(1, 9))
+    assert [im["file_name"] for im in gt["images"]] == sorted(im["file_name"] for im in gt["images"])
+    assert sorted(a["id"] for a in gt["annotations"]) == list(range(1, label_rows + 1))
+    assert gt == json.loads((val_runs[1][1] / "ground_truth.json").read_text())  # same ids as val.py's
+
+
+def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
+    data = tmp_path / "bad.yaml"
+    data.write_text("train: [images/train\nval: images/val\nnames: [a]\n")
+    p = _run(["-m", "utils.coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
+    out = (p.stdout + p.stderr).strip()
+    assert p.returncode == 1 and "Traceback" not in out
+    assert out.splitlines() == [out] and out.startswith(f"ERROR: {data}: not valid yaml"), out
+    assert not (tmp_path / "gt.json").exists()
+
+
+@pytest.fixture
+def restore_logger():
+    """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
+    from utils.logging import LOGGER
+
+    saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
+    yield
+    LOGGER.handlers[:] = saved[0]
+    LOGGER.setLevel(saved[1])
+    LOGGER.propagate = saved[2]
+
+
+@pytest.mark.parametrize("case", ["missing", "no_split"])
+def test_coco_export_bad_input_names_the_file(case, tiny_data, tmp_path, capsys, restore_logger):
+    from utils import coco
+
+    data, task, expect = tmp_path / "nowhere.yaml", "val", f"ERROR: {tmp_path / 'nowhere.yaml'}: file not found"
+    if case == "no_split":
+        data, task, expect = tiny_data, "test", f"ERROR: {tiny_data}: no 'test' split"
+    assert coco.cli(["--data", str(data), "--task", task, "--out", str(tmp_path / "gt.json")]) == 1
+    assert capsys.readouterr().out.strip().splitlines() == [expect]
+    assert not (tmp_path / "gt.json").exists()
+
+
+def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_data, tmp_path):
+    stdout = _ok(_run(["val.py", "--weights", str(weights), "--data", str(tiny_data), *VAL, "--task", "speed",
+                       "--save-json", "--project", str(tmp_path / "runs")]))
+    assert "conf 0.25, IoU 0.45" in stdout
+    assert re.search(r"^Speed: [\d.]+ms pre-process, [\d.]+ms inference, [\d.]+ms NMS per image at shape \(5, 3, 64, 64\)$",
+                     stdout, re.M)
+    assert re.search(r"^Results: mAP50 [\d.]+  mAP50-95 [\d.]+$", stdout, re.M)
+    assert re.search(r"^val: +all +8 +\d+ ", stdout, re.M)  # the val split, as YOLOv5's speed task
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_folder_rules(tmp_path):
+    import val
+    from utils.dist import DistInfo
+    from utils.errors import UserError
+
+    opt = Namespace(project=str(tmp_path / "runs"), name="exp", exist_ok=False, save_txt=False, save_json=False)
+    assert val.make_save_dir(opt, DistInfo()) is None and not (tmp_path / "runs").exists()  # nothing to save
+    opt.save_json = True
+    assert val.make_save_dir(opt, DistInfo()) == tmp_path / "runs" / "exp"
+    assert val.make_save_dir(opt, DistInfo()) == tmp_path / "runs" / "exp2"
+    opt.exist_ok = True
+    assert val.make_save_dir(opt, DistInfo()) == tmp_path / "runs" / "exp"
+    opt = val.parse_opt(["--weights", "a.pt", "b.pt", "--save-txt", "--exist-ok"])
+    with pytest.raises(UserError, match="--exist-ok with several --weights"):
+        val.check_opt(opt)
+
+
+class _ReplayModel(torch.nn.Module):
+    """Stands in for a detector: returns prepared raw outputs, one per batch, in loader order."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, imgs: torch.Tensor):
+        out = self.outputs.pop(0)
+        assert out.shape[0] == imgs.shape[0]
+        return out, None
+
+
+def _make_dataset(root: Path, rng: np.random.Generator, n: int = 12, nc: int = 3) -> Path:
+    """Images of many aspect ratios (so rect order is not path order) with 0-5 labelled boxes each."""
+    for d in ("images", "labels"):
+        (root / d).mkdir(parents=True)
+    for i in range(n):
+        w, h = (int(v) for v in rng.integers(40, 130, 2))
+        cv2.imwrite(str(root / "images" / f"im{i:02d}.jpg"), np.full((h, w, 3), 90, np.uint8))
+        k = int(rng.integers(0, 6))
+        wh = rng.uniform(0.1, 0.5, (k, 2))
+        xy = rng.uniform(wh / 2, 1 - wh / 2)
+        rows = [f"{c} {x:.6f} {y:.6f} {bw:.6f} {bh:.6f}" for c, (x, y), (bw, bh) in zip(rng.integers(0, nc, k), xy, wh)]
+        (root / "labels" / f"im{i:02d}.txt").write_text("".join(r + "\n" for r in rows))
+    return root / "images"
+
+
+def _replay_outputs(loader, rng: np.random.Generator, nc: int = 3, per_image: int = 24) -> list[torch.Tensor]:
+    """A good detector's raw output for each batch: jittered copies of each label, some with the
+    wrong class, plus random false positives; scores on a 1/20 grid, so many tie across images."""
+    outputs = []
+    for batch in loader:
+        bs, _, hh, ww = batch.images.shape
+        out = torch.zeros(bs, per_image, 5 + nc)
+        for si in range(bs):
+            t = batch.targets[batch.targets[:, 0] == si, 1:].numpy()
+            src = np.repeat(np.arange(len(t)), 3)
+            boxes = t[src, 1:5] * (ww, hh, ww, hh) if len(t) else np.zeros((0, 4))
+            boxes = boxes * (1 + rng.normal(0, 0.05, boxes.shape))
+            cls = np.where(rng.random(len(src)) < 0.15, rng.integers(0, nc, len(src)), t[src, 0].astype(int))
+            nfp = per_image - len(src)
+            fp = np.c_[rng.uniform(0, ww, nfp), rng.uniform(0, hh, nfp), rng.uniform(5, ww / 2, nfp), rng.uniform(5, hh / 2, nfp)]
+            boxes, cls = np.r_[boxes, fp], np.r_[cls, rng.integers(0, nc, nfp)]
+            scores = rng.integers(1, 21, per_image) / 20
+            scores[len(src):] *= 0.5  # false positives tend to score lower
+            out[si, :, :4] = torch.as_tensor(boxes, dtype=torch.float32)
+            out[si, :, 4] = 1.0
+            out[si, np.arange(per_image), 5 + cls] = torch.as_tensor(scores, dtype=torch.float32)
+        outputs.append(out)
+    return outputs
+
+
+def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_path, one_thread):
+    """A detector with mAP far from 0, score ties across images and a rect order unlike id order."""
+    import val
+    from utils.loader import create_dataloader
+
+    rng = np.random.default_rng(0)
+    images = _make_dataset(tmp_path / "ds", rng)
+    names = ["a", "b", "c"]
+    loader, dataset = create_dataloader(str(images), 96, 4, 32, rect=True, pad=0.5, workers=0, nc=3)
+    assert dataset.im_files != sorted(dataset.im_files)  # evaluation must not follow the loader's order
+    model = _ReplayModel(_replay_outputs(loader, rng))
+    result = val.run(model, loader, torch.device("cpu"), names, fuse=False, save_dir=tmp_path / "out",
+                     save_json=True)
+    assert not model.outputs  # every batch consumed once
+    m = result.metrics
+    map50, map5095 = _cocoeval(tmp_path / "out" / "ground_truth.json", tmp_path / "out" / "predictions.json")
+    assert m.map50 > 0.5 and 0.15 < m.map < 0.95 and m.n_instances > 20
+    assert abs(map50 - m.map50) < 1e-9 and abs(map5095 - m.map) < 1e-9, (map50, m.map50, map5095, m.map)
+    assert result.confusion is not None and result.confusion[:, :-1].sum(0).tolist() == m.nt.tolist()
