@@ -215,7 +215,7 @@ def _save(detections: list[tuple[int, np.ndarray]], dataset, names: list[str], s
         LOGGER.info(f"{len(rows)} label files saved to {save_dir / 'labels'}")
     if save_json:
         ids = coco.image_ids(dataset.im_files)
-        preds = [d for index, det in detections for d in coco.detections(det, ids[dataset.im_files[index]])]
+        preds = coco.detections([(ids[dataset.im_files[index]], det) for index, det in detections])
         coco.write_json(preds, save_dir / "predictions.json")
         coco.write_json(coco.dataset_ground_truth(dataset, names), save_dir / "ground_truth.json")
         LOGGER.info(f"{len(preds)} COCO detections saved to {save_dir / 'predictions.json'}, "

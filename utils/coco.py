@@ -33,8 +33,8 @@ def image_ids(im_files: Sequence[str]) -> dict[str, int]:
     return {f: i for i, f in enumerate(sorted(im_files), 1)}
 
 
-def short_floats(x: Any) -> list[float]:
-    """Values as the fewest decimals that still read back as the same float32 (vectorised)."""
+def short_floats(x: Any) -> np.ndarray:
+    """float64 values that print as the fewest decimals reading back as the same float32 (vectorised)."""
     x32 = np.asarray(x, dtype=np.float32).reshape(-1)
     x64 = x32.astype(np.float64)
     out, done = x64.copy(), ~np.isfinite(x64)
@@ -44,7 +44,7 @@ def short_floats(x: Any) -> list[float]:
         out[ok], done = r[ok], done | ok
         if done.all():
             break
-    return out.tolist()
+    return out.reshape(np.shape(x))
 
 
 def _xyxy_to_xywh(xyxy: np.ndarray) -> np.ndarray:
@@ -53,13 +53,15 @@ def _xyxy_to_xywh(xyxy: np.ndarray) -> np.ndarray:
     return np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1)
 
 
-def detections(det: np.ndarray, image_id: int) -> list[dict[str, Any]]:
-    """COCO results for one image: det (n, 6) [x1, y1, x2, y2, score, cls] in original pixels, order kept."""
-    det = np.asarray(det, dtype=np.float32).reshape(-1, 6)
-    boxes = np.asarray(short_floats(_xyxy_to_xywh(det[:, :4]))).reshape(-1, 4).tolist()
-    scores = short_floats(det[:, 4])
-    return [{"image_id": image_id, "category_id": int(c), "bbox": b, "score": s}
-            for b, s, c in zip(boxes, scores, det[:, 5].tolist())]
+def detections(per_image: Sequence[tuple[int, np.ndarray]]) -> list[dict[str, Any]]:
+    """COCO results from (image_id, det) pairs, det (n, 6) [x1, y1, x2, y2, score, cls] in original
+    pixels; order kept. Numbers are converted in one vectorised pass (COCO val: 1.5M detections)."""
+    dets = [np.asarray(d, dtype=np.float32).reshape(-1, 6) for _, d in per_image]
+    det = np.concatenate(dets) if dets else np.zeros((0, 6), np.float32)
+    image = np.repeat([i for i, _ in per_image], [len(d) for d in dets]).tolist()
+    boxes = short_floats(_xyxy_to_xywh(det[:, :4])).tolist()
+    return [{"image_id": i, "category_id": int(c), "bbox": b, "score": s}
+            for i, b, s, c in zip(image, boxes, short_floats(det[:, 4]).tolist(), det[:, 5].tolist())]
 
 
 def gt_xyxy(labels: np.ndarray, w: int, h: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,15 +85,18 @@ def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], shapes_w
     """
     ids = image_ids(im_files)
     order = sorted(range(len(im_files)), key=lambda i: ids[im_files[i]])
-    images, annotations = [], []
+    images, boxes, classes, owners = [], [], [], []
     for i in order:
         w, h = (int(v) for v in shapes_wh[i])
         images.append({"id": ids[im_files[i]], "file_name": str(im_files[i]), "width": w, "height": h})
         xyxy, cls = gt_xyxy(labels[i], w, h)
-        boxes = np.asarray(short_floats(_xyxy_to_xywh(xyxy))).reshape(-1, 4)
-        for box, c in zip(boxes.tolist(), cls.tolist()):
-            annotations.append({"id": len(annotations) + 1, "image_id": ids[im_files[i]], "category_id": c,
-                                "bbox": box, "area": short_floats(box[2] * box[3])[0], "iscrowd": 0})
+        boxes.append(xyxy)
+        classes += cls.tolist()
+        owners += [ids[im_files[i]]] * len(cls)
+    xywh = _xyxy_to_xywh(np.concatenate(boxes) if boxes else np.zeros((0, 4)))
+    area = short_floats(xywh[:, 2].astype(np.float64) * xywh[:, 3]).tolist()
+    annotations = [{"id": k, "image_id": i, "category_id": c, "bbox": b, "area": a, "iscrowd": 0}
+                   for k, (i, c, b, a) in enumerate(zip(owners, classes, short_floats(xywh).tolist(), area), 1)]
     return {"info": {"description": description}, "images": images, "annotations": annotations,
             "categories": [{"id": i, "name": str(n)} for i, n in enumerate(names)]}
 
@@ -110,7 +115,7 @@ def write_json(obj: Any, path: str | Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, separators=(",", ":"))
+            f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
