@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -109,16 +108,20 @@ def dataset_ground_truth(dataset: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def write_json(obj: Any, path: str | Path) -> None:
-    """Write json atomically (temp file + rename), so a reader never sees half a file."""
+    """Write json atomically (temp file + rename), so a reader never sees half a file.
+
+    The temp file is opened normally (not mkstemp, which makes it 0600), so the result gets the
+    user's usual permissions.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
