@@ -42,7 +42,7 @@ from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
 RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval", "save_period",
-                   "keep_optimizer"}
+                   "save_interval", "keep_optimizer"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batch-size", type=int, default=32, help="validation images per batch (per rank)")
     p.add_argument("--noval", action="store_true", help="only validate the final epoch")
     p.add_argument("--save-period", type=int, default=-1, help="also keep weights/epochN.pt every N epochs (< 1: off)")
+    p.add_argument("--save-interval", type=float, default=0.0,
+                   help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
@@ -137,7 +139,8 @@ def resolve_resume(opt: argparse.Namespace) -> dict | None:
             f"{k}: {saved[k]} -> {v}" for k, v in sorted(changed.items())))
     vars(opt).update(saved)
     vars(opt).update(changed, local_rank=opt.local_rank, resume=str(path), save_dir=str(Path(path).parent.parent))
-    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 2} of {opt.epochs}")
+    part = f", batch {ckpt['batches_done'] + 1}" if ckpt.get("batches_done") else ""
+    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 2}{part} of {opt.epochs}")
     return ckpt
 
 
@@ -181,9 +184,10 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     # Data loaders: batch size per rank; the train sampler reshuffles each epoch from the seed.
     batch = opt.batch_size // info.world_size
     common = dict(stride=gs, single_cls=opt.single_cls, rank=info.rank, world_size=info.world_size,
-                  local_rank=info.local_rank, workers=opt.workers, seed=opt.seed, nc=nc, cache_dir=opt.cache_dir)
+                  local_rank=info.local_rank, workers=opt.workers, seed=opt.seed, nc=len(data.names),
+                  cache_dir=opt.cache_dir)  # the scan checks the file's classes; single_cls then maps them to 0
     train_loader, train_set = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
-                                                shuffle=not opt.rect, cache=opt.cache, prefix="train: ", **common)
+                                                shuffle=True, cache=opt.cache, prefix="train: ", **common)
     val_loader, val_set = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, cache=opt.cache,
                                             prefix="val: ", **common)
     if hyp.close_mosaic > 0:  # set before the first pass: persistent workers copy the dataset once
@@ -207,9 +211,10 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     amp = device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
     stopper = EarlyStopping(patience=opt.patience)
-    start_epoch, best_fitness = 0, 0.0
+    start_epoch, best_fitness, batches_done = 0, 0.0, 0
     if ckpt:
         start_epoch, best_fitness = restore_training_state(ckpt, optimizer, ema, scaler, stopper)
+        batches_done = int(ckpt.get("batches_done", 0))  # a mid-epoch checkpoint (--save-interval)
     scheduler = make_scheduler(optimizer, lf, start_epoch)
     if opt.sync_bn and info.distributed and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -230,11 +235,24 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                 f"Logging results to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
 
     t_start = time.time()
-    state = dict(last_opt_step=start_epoch * nb - 1, accumulate=accumulate, accumulate_max=accumulate,
-                 multi_scale=(imgsz, gs, opt.seed) if opt.multi_scale else None)
     metrics, epoch = None, start_epoch - 1
+
+    def save_mid_epoch(epoch: int, batches: int, mloss: torch.Tensor) -> None:
+        """--save-interval: last.pt at an optimizer step inside ``epoch``, with the batches done."""
+        if info.is_main:
+            ckpt_out = make_checkpoint(model, ema, optimizer, scaler, stopper, epoch - 1, best_fitness, hyp, opt,
+                                       names, metrics, info.world_size)
+            ckpt_out.update(batches_done=batches, mloss=mloss.tolist())
+            save_checkpoint(ckpt_out, weights_dir / "last.pt")
+            LOGGER.info(f"Saved {weights_dir / 'last.pt'} at epoch {epoch + 1}, batch {batches}/{nb}")
+
+    state = dict(last_opt_step=start_epoch * nb + batches_done - 1, accumulate=accumulate,
+                 accumulate_max=accumulate, multi_scale=(imgsz, gs, opt.seed) if opt.multi_scale else None,
+                 first_batch=batches_done, mloss=torch.tensor(ckpt["mloss"], device=device) if batches_done else None,
+                 save_seconds=opt.save_interval * 60, next_save=time.monotonic() + opt.save_interval * 60,
+                 save_pending=False, save_mid_epoch=save_mid_epoch)
     for epoch in range(start_epoch, opt.epochs):
-        train_loader.sampler.set_epoch(epoch)
+        train_loader.sampler.set_epoch(epoch, skip=state["first_batch"] * batch)
         if epoch == train_set.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
         mloss = train_one_epoch(model, train_loader, optimizer, ema, scaler, compute_loss, warmup, lf,
@@ -266,6 +284,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                 save_checkpoint(ckpt_out, weights_dir / "best.pt")
             if opt.save_period > 0 and (epoch + 1) % opt.save_period == 0:
                 save_checkpoint(ckpt_out, weights_dir / f"epoch{epoch + 1}.pt")
+        state["save_pending"], state["next_save"] = False, time.monotonic() + state["save_seconds"]
         if stop:
             break
 
@@ -277,13 +296,19 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
 
 def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup, lf, epoch, epochs, device,
                     amp, state) -> torch.Tensor:
-    """One pass over this rank's shard; returns the mean [box, obj, cls] loss averaged over ranks."""
+    """One pass over this rank's shard; returns the mean [box, obj, cls] loss averaged over ranks.
+
+    A run resumed from a mid-epoch checkpoint starts at ``state["first_batch"]`` with the saved
+    running loss; every later epoch starts at batch 0.
+    """
     model.train()
-    nb = len(loader)
-    mloss = torch.zeros(3, device=device)
+    first = state["first_batch"]
+    nb = first + len(loader)
+    mloss = state["mloss"] if state["mloss"] is not None else torch.zeros(3, device=device)
+    state["first_batch"], state["mloss"] = 0, None
     world = dist.get_world_size()
-    bar = tqdm(enumerate(loader), total=nb, disable=dist.get_rank() != 0, bar_format="{l_bar}{bar:10}{r_bar}",
-               desc=f"{epoch + 1}/{epochs}")
+    bar = tqdm(enumerate(loader, start=first), total=nb, initial=first, disable=dist.get_rank() != 0,
+               bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{epoch + 1}/{epochs}")
     for i, batch in bar:
         ni = i + nb * epoch  # integrated batch count since the start of training
         imgs = batch.images.to(device, non_blocking=True).float() / 255
@@ -295,7 +320,8 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
         with torch.autocast(device.type, enabled=amp):
             pred = model(imgs)
             loss, loss_items = compute_loss(pred, batch.targets.to(device))
-        check_finite(loss_items, epoch, i)
+        state["save_pending"] |= check_step(loss_items, epoch, i, state)
+        mloss = (mloss * i + loss_items) / (i + 1)
         if world > 1:
             loss = loss * world  # DDP averages gradients over ranks; YOLOv5's loss is a sum over the batch
         scaler.scale(loss).backward()
@@ -309,7 +335,10 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
             optimizer.zero_grad()
             ema.update(model)
             state["last_opt_step"] = ni
-        mloss = (mloss * i + loss_items) / (i + 1)
+            if state["save_pending"] and i < nb - 1:  # the epoch's end saves anyway
+                state["save_pending"] = False
+                state["next_save"] = time.monotonic() + state["save_seconds"]
+                state["save_mid_epoch"](epoch, i + 1, dist.reduce_mean(mloss))
         if bar.disable is False:
             bar.set_postfix_str(f"box {mloss[0]:.4f} obj {mloss[1]:.4f} cls {mloss[2]:.4f} "
                                 f"n {batch.targets.shape[0]} {imgs.shape[-1]}px", refresh=False)
@@ -381,17 +410,25 @@ def make_scheduler(optimizer: torch.optim.Optimizer, lf, start_epoch: int) -> to
     return scheduler
 
 
-def check_finite(loss_items: torch.Tensor, epoch: int, i: int) -> None:
-    """Stop every rank at the same step when any rank's loss is NaN/inf (decided together, so no
-    rank waits in a collective for one that has stopped). Earlier checkpoints stay intact."""
-    bad = torch.zeros(dist.get_world_size(), device=loss_items.device)
-    bad[dist.get_rank()] = float(not torch.isfinite(loss_items).all())
-    bad = dist.all_reduce_sum(bad)
+def check_step(loss_items: torch.Tensor, epoch: int, i: int, state: dict) -> bool:
+    """One all-reduce per step carries every rank's NaN/inf flag and rank 0's --save-interval clock.
+
+    A non-finite loss on any rank stops every rank at the same step (decided together, so no rank
+    waits in a collective for one that has stopped; earlier checkpoints stay intact). Returns
+    whether a mid-epoch save is due, the same answer on every rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    flags = torch.zeros(world + 1, device=loss_items.device)
+    flags[rank] = float(not torch.isfinite(loss_items).all())
+    flags[world] = float(rank == 0 and state["save_seconds"] > 0 and time.monotonic() >= state["next_save"])
+    flags = dist.all_reduce_sum(flags)
+    bad = flags[:world]
     if bad.any():
         ranks = ", ".join(str(r) for r in bad.nonzero().flatten().tolist())
         raise UserError(f"epoch {epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) {ranks} "
                         f"(box, obj, cls = {[round(v, 4) for v in loss_items.tolist()]}); checkpoints of earlier "
                         "epochs are intact. Lower lr0 in the hyp yaml, or check the labels.")
+    return bool(flags[world])
 
 
 def loss_hyp(hyp: Hyp, nl: int, nc: int, imgsz: int) -> Hyp:

@@ -229,6 +229,25 @@ def test_train_sampler():
     assert [len(p) for p in dropped] == [3, 3, 3] and len(set(sum(dropped, []))) == 9
 
 
+def test_train_sampler_skip_resumes_where_global_batches_end():
+    """A mid-epoch resume skips k batches per rank: exactly the first k global batches, whatever the world size."""
+    n, global_bs, k = 37, 4, 3
+    for ws in (1, 2, 4):
+        padded = TrainSampler(n, 0, ws, seed=3)
+        padded.set_epoch(2)
+        order = padded.global_indices()  # the same permutation, padded to a multiple of ws
+        rest = []
+        for r in range(ws):
+            s = TrainSampler(n, r, ws, seed=3)
+            s.set_epoch(2, skip=k * global_bs // ws)
+            items = [i for _, i in s]
+            assert len(items) == len(s) == s.num_samples - k * global_bs // ws
+            rest += items
+        assert sorted(rest) == sorted(order[k * global_bs:])
+    with pytest.raises(ValueError):
+        TrainSampler(n, 0, 1).set_epoch(0, skip=n + 1)
+
+
 def test_inference_sampler():
     for size in (0, 1, 7, 16, 33):
         for bs in (1, 4, 5):

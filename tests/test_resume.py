@@ -19,8 +19,8 @@ ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--worker
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def _train(launcher, data, project, name, extra=()):
-    return subprocess.run([*launcher, "train.py", "--data", str(data), "--project", str(project), "--name", name,
+def _train(launcher, data, project, name, extra=(), script=("train.py",)):
+    return subprocess.run([*launcher, *script, "--data", str(data), "--project", str(project), "--name", name,
                            *ARGS, *extra], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -61,22 +61,61 @@ def _wait_until_gone(marker: str, timeout: float = 60) -> None:
     raise AssertionError(f"processes of {marker} still running after {timeout}s")
 
 
-@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
-def test_resume_is_bit_identical(tiny_data, tmp_path, launcher):
-    p = _train(launcher, tiny_data, tmp_path, "straight")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    stopped_at = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
-    p = subprocess.run([*launcher, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
-                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
-    a = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
-    b = torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True)
+LAUNCHERS = {"1-process": [sys.executable], "2-process": TORCHRUN}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    """``reference(kind)``: the final last.pt of an undisturbed run for that launcher (trained once)."""
+    runs: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in runs:
+            project = tmp_path_factory.mktemp(f"straight-{kind}")
+            p = _train(LAUNCHERS[kind], tiny_data, project, "straight")
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+            runs[kind] = torch.load(project / "straight" / "weights" / "last.pt", weights_only=True)
+        return runs[kind]
+
+    return get
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
     assert a["epoch"] == b["epoch"] == EPOCHS - 1
     for key in ("model", "ema"):
         different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
         assert not different, f"{key}: {len(different)} tensors differ, e.g. {different[:3]}"
     assert a["metrics"] == b["metrics"]
+
+
+@pytest.mark.parametrize("kind", LAUNCHERS)
+def test_resume_is_bit_identical(tiny_data, tmp_path, kind, reference):
+    launcher = LAUNCHERS[kind]
+    stopped_at = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
+    p = subprocess.run([*launcher, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
+    _assert_same_run(reference(kind), torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True))
+
+
+def test_mid_epoch_checkpoint_resumes_exactly(tiny_data, tmp_path, reference):
+    """--save-interval: killed right after a checkpoint inside epoch 2, the resumed run skips the
+    batches done and ends bit-identical to the undisturbed run."""
+    die = (str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:2")
+    p = _train([sys.executable], tiny_data, tmp_path, "cut", extra=("--save-interval", "1e-9"), script=die)
+    assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "at epoch 1, batch 1/4" in p.stdout and "at epoch 1, batch 3/4" in p.stdout  # after every step
+    last = tmp_path / "cut" / "weights" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    assert (saved["epoch"], saved["batches_done"], len(saved["mloss"])) == (0, 2, 3)
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"from epoch 2, batch 3 of {EPOCHS}" in p.stdout
+    _assert_same_run(reference("1-process"), torch.load(last, weights_only=True))
+    rows = (tmp_path / "cut" / "results.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
 
 
 @pytest.fixture(scope="module")
@@ -172,4 +211,49 @@ def test_elastic_restart_picks_up_its_own_last_pt(tiny_data, tmp_path):
     final = torch.load(tmp_path / "elastic" / "weights" / "last.pt", weights_only=True)
     assert final["epoch"] == EPOCHS - 1
     rows = (tmp_path / "elastic" / "results.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
+
+
+def _workers_of(agent_pid: int) -> list[int]:
+    """PIDs of the training processes torchrun's agent started (its direct children running train.py)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == agent_pid and b"train.py" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_path, reference, seed):
+    """torchrun --max-restarts: SIGKILL one worker from outside at a random moment after training
+    started (checkpoints are written after every step, so often mid-write); the restarted job
+    continues its own last.pt and ends with the undisturbed run's exact weights."""
+    import random
+
+    rng = random.Random(seed)
+    elastic = [*TORCHRUN, "--max-restarts", "2"]
+    proc = subprocess.Popen([*elastic, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
+                             "job", *ARGS, "--resume", "auto", "--exist-ok", "--save-interval", "1e-9"],
+                            cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    last = tmp_path / "job" / "weights" / "last.pt"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not last.exists():
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 2.0))
+    victims = _workers_of(proc.pid)
+    assert victims, "no worker to kill: the run ended before the kill"
+    os.kill(rng.choice(victims), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "Resuming" in out, out[-4000:]  # the restart continued the killed attempt's checkpoint
+    _assert_same_run(reference("2-process"), torch.load(last, weights_only=True))
+    rows = (tmp_path / "job" / "results.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))

@@ -47,7 +47,8 @@ class TrainSampler(Sampler):
     """Per-epoch seeded permutation, padded (or cut) to a multiple of world size, rank takes every ws-th.
 
     Yields ``(epoch, index)`` so the dataset seeds augmentation from the sample, not the worker.
-    Call ``set_epoch`` before each epoch, as with DistributedSampler.
+    Call ``set_epoch`` before each epoch, as with DistributedSampler; ``skip`` starts the epoch
+    part-way (a resumed mid-epoch checkpoint), at the same samples the uninterrupted run reaches.
     """
 
     def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
@@ -55,12 +56,15 @@ class TrainSampler(Sampler):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
-        self.shuffle, self.drop_last, self.epoch = shuffle, drop_last, 0
+        self.shuffle, self.drop_last, self.epoch, self.skip = shuffle, drop_last, 0, 0
         self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
         self.total_size = self.num_samples * world_size
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's permutation; skip this rank's first ``skip`` samples of it."""
+        if not 0 <= skip <= self.num_samples:
+            raise ValueError(f"skip {skip} outside 0..{self.num_samples}")
+        self.epoch, self.skip = int(epoch), int(skip)
 
     def global_indices(self) -> list[int]:
         """This epoch's padded (or truncated) order across all ranks."""
@@ -76,10 +80,10 @@ class TrainSampler(Sampler):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = self.epoch
-        return iter([(epoch, i) for i in self.global_indices()[self.rank::self.world_size]])
+        return iter([(epoch, i) for i in self.global_indices()[self.rank::self.world_size][self.skip:]])
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples - self.skip
 
 
 class InferenceSampler(Sampler):

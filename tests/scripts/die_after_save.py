@@ -1,0 +1,25 @@
+"""Test helper: train.py whose global rank 0 dies (os._exit, like kill -9) right after writing a
+mid-epoch last.pt for ``--die-at EPOCH:BATCH`` (1-based), on the job's first attempt only, so a
+restart by torchrun --max-restarts or a later --resume runs clean.
+
+usage: die_after_save.py --die-at 2:3 TRAIN_ARGS...
+"""
+import os
+import sys
+
+import train
+from utils import dist
+
+die_epoch, die_batch = (int(v) for v in sys.argv[2].split(":"))
+real_save = train.save_checkpoint
+
+
+def save_then_die(ckpt, path):
+    real_save(ckpt, path)
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
+    if first_attempt and dist.get_rank() == 0 and (ckpt["epoch"] + 2, ckpt.get("batches_done")) == (die_epoch, die_batch):
+        os._exit(137)
+
+
+train.save_checkpoint = save_then_die
+sys.exit(train.cli(sys.argv[3:]))
