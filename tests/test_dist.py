@@ -69,3 +69,85 @@ def test_zero_first_master_failure_stops_every_rank_promptly(tmp_path):
     assert "ERROR rank 1: a node's local rank 0 failed while preparing data" in p.stderr
     assert not (tmp_path / "read1").exists()
     assert seconds < 120
+
+
+# ---------------------------------------------------------------- SLURM and multi-node
+def test_first_slurm_host():
+    assert dist.first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert dist.first_slurm_host("node-a,node-b") == "node-a"
+    assert dist.first_slurm_host("n[3-4]-ib") == "n3-ib"
+    assert dist.first_slurm_host("solo") == "solo"
+
+
+def test_slurm_env_is_read_when_torchrun_is_absent():
+    env = dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_TASKS_PER_NODE="4(x2)",
+               SLURM_JOB_NODELIST="gpu[12-13]", SLURM_JOB_ID="4242")
+    assert dist.dist_info(env=env) == dist.DistInfo(rank=5, local_rank=1, world_size=8, local_world_size=4)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["RANK"]) == ("gpu12", "29742", "5")  # for env:// init
+    torchrun = dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", SLURM_PROCID="5", SLURM_NTASKS="8")
+    assert dist.dist_info(env=torchrun) == dist.DistInfo(0, 0, 2, 2)  # srun torchrun ...: torchrun's win
+    assert dist.dist_info(env=dict(SLURM_PROCID="0", SLURM_NTASKS="1")).world_size == 1  # salloc + python
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh_data(tmp_path):
+    """A data yaml whose dataset does not exist yet, so generation and label scans really happen."""
+    yaml_file = tmp_path / "fresh.yaml"
+    yaml_file.write_text("path: shapes\ntrain: images/train\nval: images/val\nnames: [a, b, c, d, e, f]\n"
+                         "generate: shapes\ngenerate_args: {seed: 2, n_train: 8, n_val: 4, img_size: 64}\n")
+    return yaml_file
+
+
+def _events(log):
+    import json
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+TRAIN_ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "2", "--workers", "0", "--epochs", "2",
+              "--noautoanchor"]
+
+
+def test_two_nodes_prepare_data_once_per_node_and_checkpoint_once(tmp_path):
+    """Two torchrun agents on this machine as two nodes of 2 ranks each: training completes, each
+    node's local rank 0 alone generates/scans the data, and only global rank 0 writes checkpoints."""
+    data, log, port = _fresh_data(tmp_path), tmp_path / "events.jsonl", _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                               str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), str(ROOT / "tests" / "scripts" / "record_prep.py"), str(log),
+                               "--data", str(data), "--project", str(tmp_path), "--name", "mn", *TRAIN_ARGS],
+                              cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    events = _events(log)
+    prep = [e for e in events if e["event"] in ("generate", "scan")]
+    assert prep and all(e["local_rank"] == 0 for e in prep), prep
+    assert {e["node"] for e in prep if e["event"] == "generate"} <= {0, 1}
+    for node in (0, 1):  # at most one generation and one scan per split on each node
+        assert sum(e["event"] == "generate" and e["node"] == node for e in prep) <= 1
+        assert sum(e["event"] == "scan" and e["node"] == node for e in prep) <= 2
+    saves = [e for e in events if e["event"] == "save"]
+    assert saves and all(e["rank"] == 0 for e in saves)
+    assert sorted(e["path"] for e in saves).count("last.pt") == 2  # once per epoch in total
+    assert torch.load(tmp_path / "mn" / "weights" / "last.pt", weights_only=True)["world_size"] == 4
+
+
+def test_srun_style_launch_without_torchrun(tmp_path):
+    """Two plain processes given only SLURM's variables (as ``srun --ntasks 2 python train.py``) train together."""
+    data, port = _fresh_data(tmp_path), _free_port()
+    env = run_env()
+    env.update(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "train.py", "--data", str(data), "--project", str(tmp_path),
+                               "--name", "srun", *TRAIN_ARGS, "--epochs", "1"], cwd=ROOT,
+                              env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "x 2 rank(s)" in outs[0]
+    assert torch.load(tmp_path / "srun" / "weights" / "last.pt", weights_only=True)["world_size"] == 2

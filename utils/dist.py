@@ -11,7 +11,7 @@ import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -42,13 +42,43 @@ class DistInfo:
         return self.world_size > 1
 
 
-def dist_info(local_rank_flag: int = -1) -> DistInfo:
-    """Read torchrun's environment; a legacy ``--local-rank`` flag is used when LOCAL_RANK is unset."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", local_rank_flag if local_rank_flag >= 0 else 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+def dist_info(local_rank_flag: int = -1, env: MutableMapping[str, str] | None = None) -> DistInfo:
+    """Where this process stands: torchrun's environment, else SLURM's (``srun python train.py``).
+
+    A legacy ``--local-rank`` flag is used when LOCAL_RANK is unset. Under SLURM without torchrun,
+    one task per GPU, the torchrun variables are derived from SLURM's and exported, so the
+    process group's env:// rendezvous finds them (MASTER_ADDR: the job's first node).
+    """
+    env = os.environ if env is None else env
+    if "RANK" not in env and int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
+        _export_slurm_env(env)
+    world = int(env.get("WORLD_SIZE", 1))
+    rank = int(env.get("RANK", 0))
+    local = int(env.get("LOCAL_RANK", local_rank_flag if local_rank_flag >= 0 else 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     return DistInfo(rank=rank, local_rank=local, world_size=world, local_world_size=local_world)
+
+
+def _export_slurm_env(env: MutableMapping[str, str]) -> None:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT from a SLURM task's variables."""
+    tasks_per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = str(int(tasks_per_node.split("(")[0].split(",")[0]))
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    env.setdefault("MASTER_ADDR", first_slurm_host(nodes) if nodes else "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", 0)) % 1000))  # jobs on one node differ
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[07-09,12]-ib,cpu1' -> 'gpu07-ib' (zero padding kept)."""
+    head = nodelist.strip()
+    bracket, comma = head.find("["), head.find(",")
+    if bracket == -1 or (comma != -1 and comma < bracket):
+        return head.split(",")[0]
+    close = head.index("]", bracket)
+    first = head[bracket + 1:close].split(",")[0].split("-")[0]
+    return head[:bracket] + first + head[close + 1:].split(",")[0]
 
 
 def is_dist() -> bool:
