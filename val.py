@@ -156,7 +156,7 @@ def _unletterbox(det: torch.Tensor, h0: int, w0: int, ratio_pad) -> np.ndarray:
     """Detections (n, 6) from the letterboxed image to original pixels (float32, clipped).
 
     Each axis uses its own gain: the loader rounds the resized width and height separately, so
-    one gain for both (utils.boxes.scale_boxes) shifts boxes by up to a pixel against the labels.
+    one gain for both axes (as YOLOv5's scale_boxes does) shifts boxes by up to a pixel against the labels.
     """
     (gain_h, gain_w), (pad_w, pad_h) = ratio_pad
     d = det.float().cpu().numpy().copy()

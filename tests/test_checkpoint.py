@@ -1,6 +1,7 @@
 """Checkpoints: atomic writes, weights_only loading, RNG round trips, clear errors."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -21,6 +22,9 @@ def test_roundtrip_loads_with_weights_only(tmp_path):
     data = torch.load(f, weights_only=True)
     assert torch.equal(data["model"]["w"], torch.ones(3))
     assert ck.load_checkpoint(f)["epoch"] == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert f.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's owner-only one
 
 
 def test_kill_mid_save_keeps_previous_file(tmp_path, monkeypatch):

@@ -160,6 +160,7 @@ def test_fine_tune_with_new_class_count_and_frozen_layers(ddp_run, tiny_data, tm
     n_ok, n_all = map(int, line.split()[1].split("/"))
     assert n_all - n_ok == 6 and "model.24.m.0.weight" in line  # only the 3 Detect convs (nc 6 -> 1) are new
     assert "Froze" in p.stdout
+    assert "outside [0, 0]" not in p.stdout + p.stderr  # --single-cls maps classes to 0; it drops no rows
     tuned = torch.load(tmp_path / "ft" / "weights" / "last.pt", weights_only=True)
     assert tuned["model_yaml"]["nc"] == 1
     params = [k for k in tuned["model"] if k.endswith(("conv.weight", "bn.weight", "bn.bias"))]

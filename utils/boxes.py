@@ -50,43 +50,6 @@ def xyxy2xywhn(x: np.ndarray, w: float, h: float, clip: bool = False) -> np.ndar
     return y
 
 
-def clip_boxes(boxes: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> None:
-    """Clip xyxy boxes in place to an image of shape (h, w)."""
-    h, w = shape[:2]
-    if isinstance(boxes, torch.Tensor):
-        boxes[..., 0].clamp_(0, w)
-        boxes[..., 1].clamp_(0, h)
-        boxes[..., 2].clamp_(0, w)
-        boxes[..., 3].clamp_(0, h)
-    else:
-        boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, w)
-        boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, h)
-
-
-def scale_boxes(
-    img1_shape: tuple[int, int],
-    boxes: torch.Tensor,
-    img0_shape: tuple[int, int],
-    ratio_pad: tuple | None = None,
-) -> torch.Tensor:
-    """Map xyxy boxes from a letterboxed image (img1_shape h, w) back to the original (img0_shape).
-
-    ratio_pad is ((ratio_h, ratio_w), (pad_w, pad_h)) as recorded by the loader; without it the
-    letterbox geometry is recomputed from the two shapes.
-    """
-    if ratio_pad is None:
-        gain = min(img1_shape[0] / img0_shape[0], img1_shape[1] / img0_shape[1])
-        pad = (img1_shape[1] - img0_shape[1] * gain) / 2, (img1_shape[0] - img0_shape[0] * gain) / 2
-    else:
-        gain = ratio_pad[0][0]
-        pad = ratio_pad[1]
-    boxes[..., [0, 2]] -= pad[0]
-    boxes[..., [1, 3]] -= pad[1]
-    boxes[..., :4] /= gain
-    clip_boxes(boxes, img0_shape)
-    return boxes
-
-
 def box_iou(box1: torch.Tensor, box2: torch.Tensor) -> torch.Tensor:
     """Pairwise IoU (N, M) of xyxy boxes, from torchvision."""
     return torchvision.ops.box_iou(box1, box2)

@@ -92,6 +92,7 @@ def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it owner-only; a checkpoint is an ordinary file
         with os.fdopen(fd, "wb") as f:
             torch.save(ckpt, f)
             f.flush()
@@ -105,6 +106,12 @@ def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
