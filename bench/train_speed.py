@@ -36,6 +36,7 @@ both halves back to back), and take final figures on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ref-seconds", type=float, default=1.0, help="time spent on each reference kernel")
     p.add_argument("--no-sync", action="store_true", help="no device sync between phases (CUDA: total only)")
+    p.add_argument("--ddp-no-sync", action="store_true",
+                   help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
+                        "train.py does today; same math, different float summation order)")
     p.add_argument("--profile", choices=("torch", "cprofile"), default=None,
                    help="profile the timed steps and print the top entries")
     p.add_argument("--profile-rows", type=int, default=25, help="rows of profile output")
@@ -231,21 +235,26 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
         targets = b.targets.to(device)
         sync()
         t2 = time.perf_counter()
-        with torch.autocast(device.type, enabled=amp):
-            pred = model(imgs)
+        step_now = (k + 1) % accumulate == 0
+        # --ddp-no-sync (a proposal for train.py, measured here): skip DDP's gradient all-reduce on
+        # the accumulation steps that do not end in an optimizer step; no_sync covers forward+backward.
+        skip_sync = opt.ddp_no_sync and world > 1 and not step_now
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with torch.autocast(device.type, enabled=amp):
+                pred = model(imgs)
+                sync()
+                t3 = time.perf_counter()
+                loss, loss_items = compute_loss(pred, targets)
+                sync()
+            t4 = time.perf_counter()
+            nan_check(loss_items, world)
+            t5 = time.perf_counter()
+            if world > 1:
+                loss = loss * world  # as train.py: DDP averages gradients, YOLOv5's loss is a batch sum
+            scaler.scale(loss).backward()
             sync()
-            t3 = time.perf_counter()
-            loss, loss_items = compute_loss(pred, targets)
-            sync()
-        t4 = time.perf_counter()
-        nan_check(loss_items, world)
-        t5 = time.perf_counter()
-        if world > 1:
-            loss = loss * world  # as train.py: DDP averages gradients, YOLOv5's loss is a batch sum
-        scaler.scale(loss).backward()
-        sync()
         t6 = time.perf_counter()
-        if (k + 1) % accumulate == 0:
+        if step_now:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
             scaler.step(optimizer)
@@ -259,7 +268,7 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
                 totals[name] += dt
     _sync_all(device)
     wall = time.perf_counter() - t_start
-    profile_text = _stop_profiler(profiler, opt.profile, opt.profile_rows)
+    profile_text = _stop_profiler(profiler, opt.profile, opt.profile_rows, device)
     del batches, loader  # ends the persistent workers before the next configuration
     parts = dist.all_gather_object({"wall": wall, "totals": totals, "threads": torch.get_num_threads(),
                                     "workers": _loader_workers(opt.workers, batch, world), "profile": profile_text})
@@ -315,13 +324,13 @@ def _start_profiler(kind: str | None, device: torch.device):
     return None
 
 
-def _stop_profiler(prof, kind: str | None, rows: int) -> str:
-    """The profile as text: torch's self-time table, or cProfile's cumulative listing."""
+def _stop_profiler(prof, kind: str | None, rows: int, device: torch.device) -> str:
+    """The profile as text: torch's self-time table (device time first on CUDA), or cProfile's listing."""
     if prof is None:
         return ""
     if kind == "torch":
         prof.__exit__(None, None, None)
-        key = "self_cuda_time_total" if any(e.device_type.name == "CUDA" for e in prof.key_averages()) else "self_cpu_time_total"
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         return prof.key_averages().table(sort_by=key, row_limit=rows)
     prof.disable()
     out = io.StringIO()
@@ -386,7 +395,8 @@ def scaling(opt: argparse.Namespace, argv: list[str]) -> None:
                   f"{n} processes {multi.img_s:.1f} img/s ({multi.threads} threads each): "
                   f"speed-up {multi.img_s / single.img_s:.2f}x, efficiency {multi.img_s / (n * single.img_s):.0%}",
                   flush=True)
-    print("\nscaling, back to back in this run (global batch the same for both):")
+    print("\nscaling, back to back in this run (global batch the same for both"
+          + ("; DDP no_sync on accumulation steps" if opt.ddp_no_sync else "") + "):")
     print(format_results([r for pair in rows for r in pair]))
     if opt.json:
         Path(opt.json).write_text(json.dumps([[asdict(a), asdict(b)] for a, b in rows], indent=1))
@@ -458,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"matmul {mm_all / 1e9:.1f} GFLOP/s, 3x3 conv {cv_all / 1e9:.1f} GFLOP/s", flush=True)
         if info.is_main:
             print(f"\nbatch {opt.batch_size} global, accumulate {results[0].accumulate if results else '-'}, "
-                  f"{results[0].steps if results else opt.steps} timed steps after warm-up, ms per step averaged over ranks")
+                  f"{results[0].steps if results else opt.steps} timed steps after warm-up, ms per step averaged over ranks"
+                  + (", DDP no_sync on accumulation steps" if opt.ddp_no_sync and info.distributed else ""))
             print(format_results(results))
             if opt.json:
                 Path(opt.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
