@@ -36,13 +36,14 @@ from utils.logging import LOGGER, colorstr, setup_logging
 from utils.loss import ComputeLoss
 from utils.optim import (NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda,
                          smart_optimizer)
+from utils.plots import plot_images, plot_labels, plot_results
 from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
 RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval", "save_period",
-                   "save_interval", "keep_optimizer"}
+                   "save_interval", "keep_optimizer", "noplots"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-interval", type=float, default=0.0,
                    help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
+    p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
@@ -164,7 +166,6 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         if not ckpt:
             _write_yaml(save_dir / "hyp.yaml", hyp.as_dict())
             _write_yaml(save_dir / "opt.yaml", to_plain(vars(opt)))
-    LOGGER.info(colorstr("hyperparameters: ") + ", ".join(f"{k}={v}" for k, v in hyp.as_dict().items()))
 
     # Data description (a built-in dataset is generated once per node).
     with dist.torch_distributed_zero_first(info.local_rank):
@@ -177,7 +178,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     init_seeds(opt.seed)
     model = build_model(opt, ckpt, nc, data.anchors).to(device)
     freeze_layers(model, opt.freeze)
-    info_row = model.info(opt.imgsz)
+    model_info = model.info(opt.imgsz)
     gs = max(int(model.stride.max()), 32)
     imgsz = check_img_size(opt.imgsz, gs)
 
@@ -193,6 +194,9 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     if hyp.close_mosaic > 0:  # set before the first pass: persistent workers copy the dataset once
         train_set.mosaic_off_from_epoch = max(opt.epochs - int(hyp.close_mosaic), 0)
     _check_labels(train_set, nc, data.file)
+    plots = info.is_main and not opt.noplots
+    if plots and not (save_dir / "labels.jpg").exists():
+        plot_labels(train_set.labels, names, save_dir / "labels.jpg")
     if not ckpt and not opt.noautoanchor:  # before EMA and DDP copy the model; resume keeps its anchors
         new_anchors = None
         if info.is_main:
@@ -229,10 +233,9 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     results_csv = ResultsCSV(save_dir / "results.csv")
     if info.is_main and ckpt:
         results_csv.truncate_after(start_epoch - 1)
-    LOGGER.info(f"{info.world_size} rank(s) x {batch} images = global batch {batch * info.world_size}, "
-                f"accumulate {accumulate}; {len(train_set)} train images, {nb} batches/epoch per rank; "
-                f"image size {imgsz}; {info_row.parameters:,} parameters, {info_row.gflops:.1f} GFLOPs\n"
-                f"Logging results to {colorstr(str(save_dir))}\nStarting training for {opt.epochs} epochs...")
+    if info.is_main:
+        log_start_summary(opt, info, device, save_dir, hyp, data, (train_set, val_set), model_info, batch,
+                          accumulate, nb, imgsz, (start_epoch, batches_done))
 
     t_start = time.time()
     metrics, epoch = None, start_epoch - 1
@@ -250,8 +253,11 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
                  accumulate_max=accumulate, multi_scale=(imgsz, gs, opt.seed) if opt.multi_scale else None,
                  first_batch=batches_done, mloss=torch.tensor(ckpt["mloss"], device=device) if batches_done else None,
                  save_seconds=opt.save_interval * 60, next_save=time.monotonic() + opt.save_interval * 60,
-                 save_pending=False, save_mid_epoch=save_mid_epoch)
+                 save_pending=False, save_mid_epoch=save_mid_epoch, epoch_seconds=[],
+                 plot_batch=(lambda b, k: plot_images(b.images, b.targets, b.paths, names,
+                                                      save_dir / f"train_batch{k}.jpg")) if plots else None)
     for epoch in range(start_epoch, opt.epochs):
+        t_epoch = time.time()
         train_loader.sampler.set_epoch(epoch, skip=state["first_batch"] * batch)
         if epoch == train_set.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
@@ -262,7 +268,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         final = epoch + 1 == opt.epochs
         result = None
         if not opt.noval or final:
-            result = validate.run(ema.ema, val_loader, device, names, compute_loss=compute_loss, prefix="val: ")
+            result = validate.run(ema.ema, val_loader, device, names, compute_loss=compute_loss, prefix="val: ",
+                                  save_dir=save_dir, plots=final and not opt.noplots)
             metrics = result.metrics
         fitness = metrics.fitness() if result else 0.0
         # only validated epochs count towards early stopping (with --noval none do until the last)
@@ -285,13 +292,16 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
             if opt.save_period > 0 and (epoch + 1) % opt.save_period == 0:
                 save_checkpoint(ckpt_out, weights_dir / f"epoch{epoch + 1}.pt")
         state["save_pending"], state["next_save"] = False, time.monotonic() + state["save_seconds"]
+        state["epoch_seconds"].append(time.time() - t_epoch)
         if stop:
             break
 
     release_ram_caches(info.local_rank, train_set.imgcache, val_set.imgcache)
     if info.is_main:
-        finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper, data.file, imgsz,
-               strip=not opt.keep_optimizer)
+        if plots:
+            plot_results(save_dir / "results.csv")
+        finish(save_dir, weights_dir, epoch - start_epoch + 1, time.time() - t_start, stopper,
+               f"--data {data.file} --imgsz {imgsz} --batch-size {opt.val_batch_size}", strip=not opt.keep_optimizer)
 
 
 def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup, lf, epoch, epochs, device,
@@ -307,6 +317,7 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
     mloss = state["mloss"] if state["mloss"] is not None else torch.zeros(3, device=device)
     state["first_batch"], state["mloss"] = 0, None
     world = dist.get_world_size()
+    t0 = time.monotonic()
     bar = tqdm(enumerate(loader, start=first), total=nb, initial=first, disable=dist.get_rank() != 0,
                bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{epoch + 1}/{epochs}")
     for i, batch in bar:
@@ -317,6 +328,8 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
         warmup.apply(optimizer, ni, lf, epoch)
         if ni <= warmup.iters:
             state["accumulate"] = max(1, round(float(np.interp(ni, [0, warmup.iters], [1, state["accumulate_max"]]))))
+        if state["plot_batch"] and ni < 3:
+            state["plot_batch"](batch, ni)
         with torch.autocast(device.type, enabled=amp):
             pred = model(imgs)
             loss, loss_items = compute_loss(pred, batch.targets.to(device))
@@ -339,10 +352,23 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
                 state["save_pending"] = False
                 state["next_save"] = time.monotonic() + state["save_seconds"]
                 state["save_mid_epoch"](epoch, i + 1, dist.reduce_mean(mloss))
-        if bar.disable is False:
-            bar.set_postfix_str(f"box {mloss[0]:.4f} obj {mloss[1]:.4f} cls {mloss[2]:.4f} "
-                                f"n {batch.targets.shape[0]} {imgs.shape[-1]}px", refresh=False)
+        if not bar.disable:
+            seconds = (time.monotonic() - t0) / (i + 1 - first)  # per batch, this epoch so far
+            left = seconds * (nb - i - 1) + (epochs - epoch - 1) * _epoch_estimate(state["epoch_seconds"], seconds * nb)
+            bar.set_postfix_str(f"box {mloss[0]:.4f} obj {mloss[1]:.4f} cls {mloss[2]:.4f} | "
+                                f"{batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
+                                f"{len(batch.images) * world / seconds:.0f} img/s | run ETA {_hms(left)}", refresh=False)
     return dist.reduce_mean(mloss).cpu()
+
+
+def _epoch_estimate(done: list[float], train_only: float) -> float:
+    """Seconds per remaining epoch: the mean of finished ones (validation included), else this one's training."""
+    return sum(done) / len(done) if done else train_only
+
+
+def _hms(seconds: float) -> str:
+    m, sec = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}"
 
 
 def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: list | None) -> Model:
@@ -474,15 +500,54 @@ def restore_training_state(ckpt, optimizer, ema, scaler, stopper) -> tuple[int, 
     return ckpt["epoch"] + 1, ckpt["best_fitness"]
 
 
-def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, data_file, imgsz,
+def log_start_summary(opt, info, device, save_dir, hyp, data, sets, model_info, batch, accumulate, nb, imgsz,
+                      start) -> None:
+    """One block before the first step: where, on what, with which data, model and settings."""
+    kind = (f"CUDA x {info.world_size} rank(s) on {info.world_size // max(info.local_world_size, 1)} node(s)"
+            if device.type == "cuda" else f"CPU x {info.world_size} rank(s), {torch.get_num_threads()} threads each")
+    lines = [colorstr("Run: ") + f"{save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
+             colorstr("Devices: ") + kind,
+             colorstr("Batch: ") + f"global {batch * info.world_size} = {info.world_size} x {batch} per rank, "
+             f"accumulate {accumulate} (nominal {NOMINAL_BATCH}); {nb} batches per epoch per rank",
+             colorstr("Data: ") + str(data.file)]
+    for split, ds in zip(("train", "val"), sets):
+        c = ds.counts
+        lines.append(f"  {split:5} {c['images']} images, {c['instances']} instances, {c['backgrounds']} backgrounds, "
+                     f"{c['corrupt']} corrupt")
+    lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or 'models/yolov5n.yaml'}: {model_info.layers} "
+                 f"layers, {model_info.parameters:,} parameters, {model_info.gflops:.1f} GFLOPs at {imgsz} px")
+    changed = hyp_changes(hyp)
+    lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
+        "differing from the defaults: " + ", ".join(f"{k}={v:g} (default {d:g})" for k, (v, d) in changed.items())
+        if changed else "all YOLOv5 scratch-low defaults"))
+    epoch, batches = start
+    where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
+    lines.append(f"Training {opt.epochs} epochs of {imgsz} px images" + (f", resuming at {where}" if epoch or batches
+                                                                          else ""))
+    LOGGER.info("\n".join(lines))
+
+
+def hyp_changes(hyp: Hyp) -> dict[str, tuple[float, float]]:
+    """Hyperparameters that differ from the defaults: name -> (value, default)."""
+    default = Hyp().as_dict()
+    return {k: (v, default[k]) for k, v in hyp.as_dict().items() if v != default[k]}
+
+
+def finish(save_dir: Path, weights_dir: Path, epochs_done: int, seconds: float, stopper, val_args: str,
            strip: bool = True) -> None:
-    for f in (weights_dir / "last.pt", weights_dir / "best.pt"):
+    """Strip the optimizer from the final checkpoints and say what the run left behind."""
+    best, last = weights_dir / "best.pt", weights_dir / "last.pt"
+    for f in (last, best):
         if strip and f.exists():
             strip_optimizer(f)
-    LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours; best epoch {stopper.best_epoch + 1} "
-                f"(fitness {stopper.best_fitness:.4f}).\nCheckpoints: {weights_dir / 'best.pt'}, {weights_dir / 'last.pt'}"
-                f"\nResults: {save_dir / 'results.csv'}\nReproduce the best epoch's metrics with:\n"
-                f"  python val.py --weights {weights_dir / 'best.pt'} --data {data_file} --imgsz {imgsz}")
+    m = load_checkpoint(best)["metrics"] if best.exists() else {}
+    scores = (f": P {m['mp']:.3f} R {m['mr']:.3f} mAP50 {m['map50']:.4f} mAP50-95 {m['map']:.4f}" if m else "")
+    pictures = sorted(p.name for p in save_dir.iterdir() if p.suffix in (".png", ".jpg"))
+    LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours ({seconds:.0f} s); best epoch "
+                f"{stopper.best_epoch + 1}{scores}\nCheckpoints: {best}, {last}\nResults: {save_dir / 'results.csv'}"
+                + (f"\nPlots in {save_dir}: {', '.join(pictures)}" if pictures else "")
+                + f"\nReproduce the best epoch's metrics with:\n"
+                f"  python val.py --weights {best} {val_args}")
 
 
 def init_seeds(seed: int) -> None:

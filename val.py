@@ -37,6 +37,7 @@ from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
 from utils.logging import LOGGER, colorstr, setup_logging
 from utils.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
+from utils.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
 from utils.runs import increment_path
 
 DEFAULT_DATA = ROOT / "data" / "shapes.yaml"
@@ -96,11 +97,14 @@ def run(
     save_conf: bool = False,
     save_json: bool = False,
     warmup: bool = False,
+    plots: bool = False,
 ) -> ValResult:
     """Score ``model`` on this rank's shard of ``dataloader`` and return metrics for the whole split.
 
     With ``save_txt``/``save_json`` every rank's detections go to rank 0 too, which writes them
     under ``save_dir`` (see _save). ``warmup`` runs the first batch once untimed, for fair speeds.
+    ``plots``: rank 0 draws its first three batches (labels and predictions), the P/R/F1/PR curves
+    and the confusion matrix into ``save_dir``.
     """
     was_training = model.training
     net = deepcopy(model).fuse() if fuse else model
@@ -109,8 +113,9 @@ def run(
     if half:
         net.half()
     keep_dets = save_txt or save_json
-    if keep_dets and save_dir is None:
-        raise ValueError("save_txt and save_json need a save_dir")
+    if (keep_dets or plots) and save_dir is None:
+        raise ValueError("save_txt, save_json and plots need a save_dir")
+    plot_here = plots and dist.get_rank() == 0
     dataset = dataloader.dataset
     records, detections, confusion = [], [], ConfusionMatrix(len(names))
     loss, n_batches, times = torch.zeros(3, device=device), 0, np.zeros(3)
@@ -133,6 +138,10 @@ def run(
         dets = non_max_suppression(preds.float(), conf_thres, iou_thres, multi_label=True, max_det=max_det)
         t3 = time.perf_counter()
         times += (t1 - t0, t2 - t1, t3 - t2)
+        if plot_here and n_batches < 3:  # rank 0 holds the split's first batches (if it has any)
+            plot_images(batch.images, batch.targets, batch.paths, names, save_dir / f"val_batch{n_batches}_labels.jpg")
+            plot_images(batch.images, output_to_target(dets), batch.paths, names,
+                        save_dir / f"val_batch{n_batches}_pred.jpg")
         n_batches += 1
         for si, det in enumerate(dets):
             index = int(batch.indices[si])
@@ -149,6 +158,9 @@ def run(
     result, all_detections = _reduce(shard, names, verbose, prefix, dataset.im_files)
     if keep_dets and all_detections is not None:  # rank 0, after the broadcast: a write error stalls no rank
         _save(all_detections, dataset, names, Path(save_dir), save_txt, save_conf, save_json)
+    if plot_here:
+        plot_curves(result.metrics, save_dir)
+        plot_confusion_matrix(result.confusion, names, Path(save_dir) / "confusion_matrix.png")
     return result
 
 
@@ -252,6 +264,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-conf", action="store_true", help="append each detection's confidence in --save-txt files")
     p.add_argument("--save-json", action="store_true",
                    help="save COCO predictions.json, the split's ground_truth.json and metrics.json")
+    p.add_argument("--noplots", action="store_true", help="do not save curves, confusion matrix and batch pictures")
     p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
@@ -268,11 +281,11 @@ def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
     if opt.task == "speed":
         if opt.save_txt or opt.save_json:
             LOGGER.warning("--task speed saves nothing: --save-txt and --save-json are ignored")
-        opt.conf_thres, opt.iou_thres, opt.save_txt, opt.save_json = 0.25, 0.45, False, False
+        opt.conf_thres, opt.iou_thres, opt.save_txt, opt.save_json, opt.noplots = 0.25, 0.45, False, False, True
         LOGGER.info("speed: timing the val split at conf 0.25, IoU 0.45 (YOLOv5's speed settings); nothing is saved")
     elif opt.conf_thres > 0.001:
         LOGGER.warning(f"WARNING: --conf-thres {opt.conf_thres} > 0.001 lowers mAP (COCO scores every detection)")
-    if opt.exist_ok and len(opt.weights) > 1 and (opt.save_txt or opt.save_json):
+    if opt.exist_ok and len(opt.weights) > 1 and (opt.save_txt or opt.save_json or not opt.noplots):
         raise UserError("--exist-ok with several --weights would overwrite each checkpoint's files with the next; "
                         "drop --exist-ok (each checkpoint gets its own project/name folder)")
     return opt
@@ -292,7 +305,7 @@ def main(opt: argparse.Namespace) -> list[ValResult]:
 
 def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path | None:
     """project/name (incremented unless --exist-ok), chosen and created by rank 0 only when saving."""
-    if not (opt.save_txt or opt.save_json):
+    if not (opt.save_txt or opt.save_json or not opt.noplots):
         return None
     save_dir = None
     if info.is_main:
@@ -327,7 +340,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     save_dir = make_save_dir(opt, info)
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
                  half=opt.half, verbose=opt.verbose, prefix=f"{task}: ", save_dir=save_dir, save_txt=opt.save_txt,
-                 save_conf=opt.save_conf, save_json=opt.save_json, warmup=True)
+                 save_conf=opt.save_conf, save_json=opt.save_json, warmup=True, plots=not opt.noplots)
     release_ram_caches(info.local_rank, loader.dataset.imgcache)
     pre, inf, nms = result.speed_ms
     LOGGER.info(f"Speed: {pre:.1f}ms pre-process, {inf:.1f}ms inference, {nms:.1f}ms NMS per image at "

@@ -5,6 +5,7 @@ import csv
 import subprocess
 import sys
 
+import cv2
 import pytest
 import torch
 
@@ -40,7 +41,13 @@ def _shm_caches() -> set[str]:
 def test_ddp_training_writes_one_set_of_files(ddp_run):
     run_dir, p = ddp_run
     assert sorted(f.name for f in (run_dir / "weights").iterdir()) == ["best.pt", "last.pt"]
-    assert sorted(f.name for f in run_dir.iterdir()) == ["hyp.yaml", "opt.yaml", "results.csv", "weights"]
+    pictures = ["F1_curve.png", "PR_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png", "labels.jpg",
+                "results.png", "train_batch0.jpg", "train_batch1.jpg", "train_batch2.jpg", "val_batch0_labels.jpg",
+                "val_batch0_pred.jpg"]  # 2 val batches over 2 ranks: rank 0 draws the first
+    assert sorted(f.name for f in run_dir.iterdir()) == sorted(["hyp.yaml", "opt.yaml", "results.csv", "weights",
+                                                                *pictures])  # rank 0's, no temp files
+    assert all(cv2.imread(str(run_dir / f)) is not None for f in pictures)
+    assert "Plots in " in p.stdout and p.stdout.count("Run: ") == 1  # the start summary, once
     for name in ("best.pt", "last.pt"):
         ckpt = torch.load(run_dir / "weights" / name, weights_only=True)
         assert ckpt["world_size"] == 2 and ckpt["epoch"] in (0, 1) and "optimizer" not in ckpt
@@ -55,7 +62,7 @@ def test_ddp_training_writes_one_set_of_files(ddp_run):
 def test_val_reproduces_best_epoch_metrics(ddp_run, tiny_data):
     run_dir, _ = ddp_run
     ckpt = torch.load(run_dir / "weights" / "best.pt", weights_only=True)
-    p = _run([sys.executable, "val.py", "--weights", str(run_dir / "weights" / "best.pt"), "--data", str(tiny_data),
+    p = _run([sys.executable, "val.py", "--noplots", "--weights", str(run_dir / "weights" / "best.pt"), "--data", str(tiny_data),
               "--batch-size", "4", "--workers", "0"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("Results:")][-1]
@@ -68,7 +75,7 @@ def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data):
     run_dir, _ = ddp_run
     outs = []
     for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]):
-        p = _run([*launcher, "val.py", "--weights", str(run_dir / "weights" / "last.pt"), "--data", str(tiny_data),
+        p = _run([*launcher, "val.py", "--noplots", "--weights", str(run_dir / "weights" / "last.pt"), "--data", str(tiny_data),
                   "--batch-size", "2", "--workers", "0"])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         outs.append([l for l in p.stdout.splitlines() if l.startswith("Results:")][-1])
@@ -180,7 +187,7 @@ def test_custom_model_yaml_checkpoint_loads_without_the_file(tiny_data, tmp_path
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "AutoAnchor:" in p.stdout
     custom.unlink()  # the checkpoint carries its own model description
-    p = _run([sys.executable, "val.py", "--weights", str(tmp_path / "c" / "weights" / "best.pt"), "--workers", "0"])
+    p = _run([sys.executable, "val.py", "--noplots", "--weights", str(tmp_path / "c" / "weights" / "best.pt"), "--workers", "0"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Results: mAP50" in p.stdout
 

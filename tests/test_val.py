@@ -95,6 +95,13 @@ def test_world_sizes_give_identical_metrics_and_files(val_runs):
     assert [len(InferenceSampler(8, 5, r, 3)) for r in range(3)] == [0, 5, 3]  # an empty rank, uneven shards
     project = val_runs[1][1].parent
     assert sorted(p.name for p in project.iterdir()) == ["exp", "exp2", "exp3"]  # one folder per run (rank 0)
+    pictures = ["PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png",
+                "val_batch0_labels.jpg", "val_batch0_pred.jpg"]
+    # rank 0 draws its own first batches: both of the 2 batches on 1 rank, one on 2, none on 3 (empty shard)
+    for n, extra in ((1, ["val_batch1_labels.jpg", "val_batch1_pred.jpg"]), (2, []), (3, [])):
+        expected = pictures[:5] if n == 3 else pictures + extra
+        assert sorted(f.name for f in val_runs[n][1].glob("*_*.*g")) == sorted(expected)
+        assert all((val_runs[n][1] / f).stat().st_size > 1000 for f in expected)
     ref_lines = _metric_lines(val_runs[1][0])
     assert len(ref_lines) == 2 + len(NAMES) and ref_lines[-1].startswith("Results: mAP50 ")
     ref = json.loads((val_runs[1][1] / "metrics.json").read_text())
@@ -107,7 +114,7 @@ def test_world_sizes_give_identical_metrics_and_files(val_runs):
         assert got["confusion_matrix"] == ref["confusion_matrix"]
         for name in ("predictions.json", "ground_truth.json"):
             assert (run_dir / name).read_bytes() == (val_runs[1][1] / name).read_bytes(), name
-        assert sorted(f.name for f in run_dir.iterdir()) == ["ground_truth.json", "labels", "metrics.json",
+        assert sorted(f.name for f in run_dir.iterdir() if f.suffix not in (".png", ".jpg")) == ["ground_truth.json", "labels", "metrics.json",
                                                             "predictions.json"]  # no temp files left
     assert _read_labels(val_runs[3][1] / "labels") == _read_labels(val_runs[1][1] / "labels")
     with_conf, without = _read_labels(val_runs[1][1] / "labels"), _read_labels(val_runs[2][1] / "labels")
@@ -226,7 +233,8 @@ def test_run_folder_rules(tmp_path):
     from utils.dist import DistInfo
     from utils.errors import UserError
 
-    opt = Namespace(project=str(tmp_path / "runs"), name="exp", exist_ok=False, save_txt=False, save_json=False)
+    opt = Namespace(project=str(tmp_path / "runs"), name="exp", exist_ok=False, save_txt=False, save_json=False,
+                    noplots=True)
     assert val.make_save_dir(opt, DistInfo()) is None and not (tmp_path / "runs").exists()  # nothing to save
     opt.save_json = True
     assert val.make_save_dir(opt, DistInfo()) == tmp_path / "runs" / "exp"
