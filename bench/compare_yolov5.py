@@ -4,6 +4,7 @@ and standalone val.py speed, with identical settings, measured back to back in o
 
     python bench/compare_yolov5.py --yolov5-python /work/yolov5-venv/bin/python
     python bench/compare_yolov5.py --yolov5-python /work/yolov5-venv/bin/python --epochs 1 --n-train 64 --n-val 32
+    python bench/compare_yolov5.py --yolov5-python /work/yolov5-venv/bin/python --epochs 3 --rounds 2
 
 How it runs offline (facts from shared/notes/running-yolov5-offline.md):
   * yolov5 (7.0.14) lives in its own venv, never in this repo's: create it with
@@ -34,7 +35,9 @@ With two or more epochs the steady figure is the mean over epochs 2..E (epoch 1 
 loader workers). Standalone val.py is timed inside its process from argument parsing to the
 result (load checkpoint, data, inference, NMS, metrics), on each tool's own last.pt, with each
 tool's own pre-process / inference / NMS split. yolov5's val is called as its main() does, but
-with plots=False (its CLI has no --noplots).
+with plots=False (its CLI has no --noplots). With --rounds R both tools run R times, in
+alternating order, each round on a fresh dataset copy, and every figure is the best of its R
+measurements (a busy machine only ever adds time).
 
 Timing runs must be alone on the machine (two trainings on 2 cores slow each other 3-14x); the
 tools run one after the other here, and figures from a busy machine are only indicative.
@@ -142,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-train", type=int, default=0, help="use the first N training images (0: all)")
     p.add_argument("--n-val", type=int, default=0, help="use the first N validation images (0: all)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run both tools this many times, alternating their order; report each figure's best")
     p.add_argument("--work-dir", default=None, help="where datasets, runs and logs go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
     p.add_argument("--only", choices=("ours", "yolov5"), default=None, help="run one tool only (debugging)")
@@ -211,17 +216,17 @@ def base_env() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], work: Path, cwd: Path) -> dict:
-    """Run one tool under the timing shim; returns its stamps (and the log path) or exits with its log."""
-    shim = work / "shim.py"
+def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], folder: Path) -> dict:
+    """Run one tool under the timing shim in ``folder``; returns its stamps (and log path) or exits with its log."""
+    shim = folder / "shim.py"
     if not shim.exists():
         shim.write_text(SHIM)
-    events, log = work / f"{mode}.json", work / f"{mode}.log"
+    events, log = folder / f"{mode}.json", folder / f"{mode}.log"
     cmd = [python, str(shim), mode, str(events), str(ROOT), *args]
     print(f"$ {' '.join(cmd)}  > {log}", flush=True)
     t = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, env=env, cwd=folder, stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t
     if rc or not events.exists():
         sys.stdout.write(log.read_text()[-4000:])
@@ -271,30 +276,45 @@ def train_args(tool: str, opt: argparse.Namespace, data_yaml: Path, hyp: Path, p
     return args
 
 
-def val_args(opt: argparse.Namespace, weights: Path, data_yaml: Path) -> list[str]:
-    return ["--weights", str(weights), "--data", str(data_yaml), "--imgsz", str(opt.imgsz),
+def val_args(tool: str, opt: argparse.Namespace, weights: Path, data_yaml: Path, out: Path) -> list[str]:
+    """Standalone val.py arguments; results go under ``out``, and no plots (yolov5 is called with plots=False)."""
+    args = ["--weights", str(weights), "--data", str(data_yaml), "--imgsz", str(opt.imgsz),
             "--batch-size", str(opt.val_batch_size), "--device", "cpu", "--workers", str(opt.workers)]
+    if tool == "yolov5":
+        return [*args, "--project", str(out), "--exist-ok"]
+    import contextlib
+    import io
+
+    import val  # this repo's; its flags are still growing, so use the ones it has
+    for extra in (["--project", str(out), "--exist-ok"], ["--noplots"]):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                val.parse_opt([*args, *extra])
+                args += extra
+            except SystemExit:
+                pass
+    return args
 
 
-def run_tool(tool: str, opt: argparse.Namespace, work: Path, names: dict[int, str]) -> dict:
-    """Train then validate standalone with one tool; return its figures."""
-    base = work / tool
+def run_tool(tool: str, opt: argparse.Namespace, work: Path, names: dict[int, str], round_: int) -> dict:
+    """Train then validate standalone with one tool (fresh dataset copy and run folder); return its figures."""
+    base = work / tool / f"round{round_}"
     root, _ = private_dataset(base / "shapes", opt.n_train, opt.n_val)
     data_yaml = write_yaml(base / "data.yaml", {"path": str(root), "train": "images/train", "val": "images/val",
                                                 "names": names})
-    hyp = base / "hyp.yaml"
+    hyp = work / tool / "hyp.yaml"
     if tool == "ours":
         python, env = sys.executable, base_env()
     else:
         python, env = opt.yolov5_python, yolov5_env(work, opt.yolov5_python)
     n_val = len(list((root / "images" / "val").glob("*.jpg")))
-    tr = run_shim(python, f"{tool}-train", train_args(tool, opt, data_yaml, hyp, base / "runs"), env, work, base)
+    tr = run_shim(python, f"{tool}-train", train_args(tool, opt, data_yaml, hyp, base / "runs"), env, base)
     train_s, val_s, after = epoch_times(tr)
     if len(train_s) != opt.epochs or len(val_s) != opt.epochs:
         raise SystemExit(f"{tool}: expected {opt.epochs} timed epochs and validations, got {len(train_s)} and "
                          f"{len(val_s)}; log: {tr['log']}")
     weights = base / "runs" / "train" / "weights" / "last.pt"
-    va = run_shim(python, f"{tool}-val", val_args(opt, weights, data_yaml), env, work, base)
+    va = run_shim(python, f"{tool}-val", val_args(tool, opt, weights, data_yaml, base / "val-runs"), env, base)
     (ev,) = [e for e in va["events"] if e["what"] == "val.py"]
     first_epoch = min(e["start"] for e in tr["events"] if e["what"] == "train")
     return {"train_s": train_s, "val_s": val_s, "after_s": after, "setup_s": first_epoch, "total_s": tr["wall"],
@@ -302,6 +322,21 @@ def run_tool(tool: str, opt: argparse.Namespace, work: Path, names: dict[int, st
             "valpy_speed": va["extra"]["speed_ms"], "valpy_map": va["extra"]["map"],
             "valpy_map50": va["extra"]["map50"], "n_train": len(list((root / "images" / "train").glob("*.jpg"))),
             "n_val": n_val, "val_threads": va["extra"]["threads"]}
+
+
+def best_of(rounds: list[dict]) -> dict:
+    """One tool's figures over several rounds: the best (smallest) time of each, per epoch where listed.
+
+    On a shared machine every disturbance only adds time, so the best round is the closest to
+    the undisturbed figure; counts, accuracy and threads come from the first round.
+    """
+    out = dict(rounds[0])
+    for key in ("train_s", "val_s", "valpy_speed"):
+        out[key] = [min(vals) for vals in zip(*(r[key] for r in rounds))]
+    for key in ("after_s", "setup_s", "total_s", "valpy_s", "valpy_wall"):
+        out[key] = min(r[key] for r in rounds)
+    out["rounds"] = len(rounds)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -337,7 +372,8 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
         return agg(v) if agg else v
 
     lines = [f"yolov5{opt.model}, {any_['n_train']} train / {any_['n_val']} val images, {opt.imgsz}px, batch "
-             f"{opt.batch_size}, {opt.epochs} epoch(s), workers {opt.workers}, seed {opt.seed}, CPU",
+             f"{opt.batch_size}, {opt.epochs} epoch(s), workers {opt.workers}, seed {opt.seed}, CPU; "
+             f"best of {any_['rounds']} round(s)",
              f"{'':<31}{'ours':>10}{'yolov5':>10}{'yolov5/ours':>13}", "-" * 64]
     for label, fmt, agg, key, time_like in rows:
         a, b = value(o, key, agg), value(y, key, agg)
@@ -347,7 +383,7 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
             ratio = f"{(b / a) if time_like else (a / b):.2f}x"  # both read as: how much faster ours is
         lines.append(f"{label:<31}{cell(a):>10}{cell(b):>10}{ratio:>13}")
     for name, r in res.items():
-        lines.append(f"{name}: train s per epoch {[round(x, 1) for x in r['train_s']]}, val s per epoch "
+        lines.append(f"{name} (best per epoch): train s {[round(x, 1) for x in r['train_s']]}, val s "
                      f"{[round(x, 2) for x in r['val_s']]}, validation after training {r['after_s']:.1f}s")
     lines.append("yolov5/ours: time ratios as yolov5 time / our time and rates as our rate / yolov5 rate, "
                  "so > 1 means ours is faster.")
@@ -366,13 +402,15 @@ def main(argv: list[str] | None = None) -> None:
         from utils.config import load_data_config
 
         names = dict(enumerate(load_data_config(ROOT / "data" / "shapes.yaml").names))
-        res = {}
-        for tool in ("ours", "yolov5"):
-            if opt.only in (None, tool):
-                res[tool] = run_tool(tool, opt, work, names)
+        tools = [t for t in ("ours", "yolov5") if opt.only in (None, t)]
+        runs: dict[str, list[dict]] = {t: [] for t in tools}
+        for r in range(opt.rounds):  # alternate the order, so neither tool always runs first
+            for tool in (tools if r % 2 == 0 else tools[::-1]):
+                runs[tool].append(run_tool(tool, opt, work, names, r))
+        res = {t: best_of(rs) for t, rs in runs.items()}
         print()
         print(report(res, opt))
-        (work / "results.json").write_text(json.dumps(res, indent=1))
+        (work / "results.json").write_text(json.dumps(runs, indent=1))
     finally:
         if opt.work_dir is None and not opt.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -15,6 +15,7 @@ call; a name val.py no longer has is reported as n/a instead of failing):
   pre-process, inference, NMS   val.py's own per-image figures (ValResult.speed_ms)
   matching     utils.metrics.match_image, per image, inside the loop
   evaluate     utils.metrics.evaluate, once at the end (COCO accumulation)
+  plots        val.py's plot_images / plot_curves / plot_confusion_matrix (off with --noplots)
   other        the rest of run(): model fuse + copy, the untimed warm-up batch, mapping boxes back
                to original pixels, confusion matrix, gather/broadcast, progress bar
 
@@ -119,10 +120,28 @@ def instrument(val: Any, timers: Timers) -> list[str]:
         val.create_dataloader = timed_loader
     else:
         missing.append("data wait")
-    for name, label in (("run", "run"), ("match_image", "matching"), ("evaluate", "evaluate")):
-        if not timers.wrap(val, name, label):
+    for name, label in (("run", "run"), ("match_image", "matching"), ("evaluate", "evaluate"),
+                        ("plot_images", "plots"), ("plot_curves", "plots"), ("plot_confusion_matrix", "plots")):
+        if not timers.wrap(val, name, label) and label not in missing:
             missing.append(label)
+    if "plots" in missing and any(hasattr(val, n) for n in ("plot_images", "plot_curves", "plot_confusion_matrix")):
+        missing.remove("plots")  # some plot functions wrapped: the figure is partial but meaningful
     return missing
+
+
+def supports(argv: list[str]) -> bool:
+    """Whether this val.py accepts these arguments (val.py's flags are still growing)."""
+    import contextlib
+    import io
+
+    import val
+
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            val.parse_opt(["--weights", "x.pt", *argv])
+        except SystemExit:
+            return False
+    return True
 
 
 def one_run(argv: list[str]) -> dict[str, Any]:
@@ -141,14 +160,14 @@ def one_run(argv: list[str]) -> dict[str, Any]:
     pre, inf, nms = (v * n / 1e3 for v in result.speed_ms)
     s = timers.seconds
     run_s = s["run"]
-    known = s["data wait"] + pre + inf + nms + s["matching"] + s["evaluate"]
+    known = s["data wait"] + pre + inf + nms + s["matching"] + s["evaluate"] + s["plots"]
     return {"images": n, "total": total, "run": run_s, "set-up": total - run_s, "data wait": s["data wait"],
             "pre-process": pre, "inference": inf, "NMS": nms, "matching": s["matching"], "evaluate": s["evaluate"],
-            "other": run_s - known, "missing": missing, "map": result.metrics.map, "map50": result.metrics.map50}
+            "plots": s["plots"], "other": run_s - known, "missing": missing, "map": result.metrics.map, "map50": result.metrics.map50}
 
 
 def format_run(k: int, r: dict[str, Any]) -> str:
-    parts = ("set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "other")
+    parts = ("set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "plots", "other")
     n = max(r["images"], 1)
     lines = [f"run {k}: {r['images']} images, end-to-end {r['total']:.2f}s = {n / r['total']:.1f} img/s "
              f"(run() alone {n / r['run']:.1f} img/s); mAP50 {r['map50']:.4f} mAP50-95 {r['map']:.4f}"]
@@ -173,11 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="", help="'' (auto), cpu, 0 ...")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh model")
     p.add_argument("--runs", type=int, default=2, help="end-to-end runs (the first one is cold)")
+    p.add_argument("--noplots", action="store_true", help="pass --noplots to val.py (plots are timed otherwise)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="val_speed_") as tmp:
         weights = a.weights or str(fresh_checkpoint(a.model, a.imgsz, a.data, a.seed, Path(tmp)))
         val_argv = ["--weights", weights, "--data", a.data, "--imgsz", str(a.imgsz), "--batch-size",
                     str(a.batch_size), "--workers", str(a.workers), "--device", a.device]
+        out = ["--project", str(Path(tmp) / "runs"), "--exist-ok"]  # val.py's result files go to the temp dir
+        val_argv += out if supports(out) else []
+        val_argv += ["--noplots"] if a.noplots and supports(["--noplots"]) else []
         print(f"val.py {' '.join(val_argv)}  ({torch.get_num_threads()} threads)", flush=True)
         runs = [one_run(val_argv) for _ in range(a.runs)]
     print()
