@@ -12,8 +12,14 @@ built-in shapes dataset through ``create_dataloader`` (mosaic etc. from hyp.scra
 train.py's default workers), ``smart_optimizer`` (SGD), ``ModelEMA``, ``ComputeLoss`` with
 train.py's gain scaling, its per-step NaN all-reduce, AMP + GradScaler on CUDA, DDP under torchrun,
 gradient clipping and accumulation to train.py's nominal batch of 64 (an optimizer step every
-``accumulate`` batches, as after warmup). Only the LR/momentum warmup and the progress bar are
-left out; neither costs measurable time on CPU.
+``accumulate`` batches, as after warmup). Left out: the LR/momentum warmup, autoanchor,
+--multi-scale, checkpoints, validation and the progress bar (whose loss formatting reads the
+device every step on rank 0: free on CPU, a sync on CUDA, so CUDA figures here are a bound
+train.py does not quite reach). The NaN check is a local copy of train.py's (same all-reduce
+and host read) because that helper is still changing.
+
+Flags that measure proposals rather than train.py as it is: --threads N (intra-op threads per
+rank), --ddp-no-sync (no gradient all-reduce on accumulation steps), --accumulate.
 
 Figures:
   img/s      images per second summed over all ranks, over the timed steps only (warm-up steps
