@@ -448,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     opt = parse_args(argv)
     if opt.scaling:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise SystemExit("--scaling starts its own processes: run it with plain python, not torchrun")
         scaling(opt, argv)
         return
     from utils import dist
