@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     opt = parse_args(argv)
     if opt.scaling:
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        from utils.dist import dist_info
+
+        if dist_info().distributed:
             raise SystemExit("--scaling starts its own processes: run it with plain python, not torchrun")
         scaling(opt, argv)
         return
