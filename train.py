@@ -43,7 +43,7 @@ from utils.runs import ResultsCSV, increment_path, latest_checkpoint
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
 RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval", "save_period",
-                   "save_interval", "keep_optimizer", "noplots"}
+                   "save_interval", "keep_optimizer", "noplots", "threads"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
     p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     p.add_argument("--optimizer", default="SGD", choices=("SGD", "Adam", "AdamW"))
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(opt: argparse.Namespace) -> None:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
+    dist.set_cpu_threads(info, opt.threads)
     ckpt = resolve_resume(opt) if opt.resume else None
     device = dist.select_device(opt.device, opt.batch_size, info)
     dist.init_distributed(info, device)
@@ -322,7 +325,7 @@ def train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup,
                bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{epoch + 1}/{epochs}")
     for i, batch in bar:
         ni = i + nb * epoch  # integrated batch count since the start of training
-        imgs = batch.images.to(device, non_blocking=True).float() / 255
+        imgs = batch.images.to(device, non_blocking=True).float().div_(255)
         if state["multi_scale"]:
             imgs = rescale_batch(imgs, *state["multi_scale"], epoch=epoch, i=i)
         warmup.apply(optimizer, ni, lf, epoch)

@@ -258,6 +258,8 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split to score; speed: time the val split at conf 0.25, IoU 0.45, saving nothing")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
     p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     p.add_argument("--single-cls", action="store_true", help="treat as single-class dataset")
     p.add_argument("--verbose", action="store_true", help="report mAP by class")
     p.add_argument("--save-txt", action="store_true", help="save detections to labels/<stem>.txt (YOLO format)")
@@ -294,6 +296,7 @@ def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
 def main(opt: argparse.Namespace) -> list[ValResult]:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
+    dist.set_cpu_threads(info, opt.threads)
     check_opt(opt)
     device = dist.select_device(opt.device, info=info)
     dist.init_distributed(info, device)

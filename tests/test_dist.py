@@ -151,3 +151,13 @@ def test_srun_style_launch_without_torchrun(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "x 2 rank(s)" in outs[0]
     assert torch.load(tmp_path / "srun" / "weights" / "last.pt", weights_only=True)["world_size"] == 2
+
+
+def test_cpu_threads_never_oversubscribe_the_node(one_thread):
+    import os
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 2 * cores, 2 * cores)) == 1  # more ranks than cores
+    torch.set_num_threads(cores)
+    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 1, 1)) == cores
+    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 1, 1), requested=3) == 3 == torch.get_num_threads()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from utils.dataset import LoadImagesAndLabels
 from utils.imgcache import build_or_open
-from utils.dist import torch_distributed_zero_first
+from utils.dist import dist_info, torch_distributed_zero_first
 from utils.logging import LOGGER
 
 
@@ -137,7 +137,8 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
         dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=local_rank,
                                          shapes=dataset.shapes, path=path, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
-    nw = min((os.cpu_count() or 1) // max(world_size, 1), batch_size if batch_size > 1 else 0, workers)
+    ranks_here = dist_info().local_world_size if world_size > 1 else 1  # share this node's cores, not the job's
+    nw = min((os.cpu_count() or 1) // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
     if training:
         sampler: Sampler = TrainSampler(len(dataset), rank, world_size, seed, shuffle=shuffle,
                                         drop_last=rect and world_size > 1)
