@@ -62,6 +62,8 @@ class _Shard:
     loss: torch.Tensor
     n_batches: int
     times: np.ndarray
+    timed_images: int  # images behind ``times`` (with warmup, not a rank's first batch...)
+    cold: tuple[np.ndarray, int]  # ...whose times and images are used only when nothing else was timed
     confusion: np.ndarray
     detections: list[tuple[int, np.ndarray]]  # (dataset index, (n, 6) float32 in original pixels)
 
@@ -98,17 +100,21 @@ def run(
     save_json: bool = False,
     warmup: bool = False,
     plots: bool = False,
+    channels_last: bool = False,
 ) -> ValResult:
     """Score ``model`` on this rank's shard of ``dataloader`` and return metrics for the whole split.
 
     With ``save_txt``/``save_json`` every rank's detections go to rank 0 too, which writes them
-    under ``save_dir`` (see _save). ``warmup`` runs the first batch once untimed, for fair speeds.
+    under ``save_dir`` (see _save). ``warmup`` leaves each rank's first batch (one-off allocations
+and kernel selection) out of the speed figures, instead of running it twice.
     ``plots``: rank 0 draws its first three batches (labels and predictions), the P/R/F1/PR curves
     and the confusion matrix into ``save_dir``.
     """
     was_training = model.training
     net = deepcopy(model).fuse() if fuse else model
     net.eval()
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    net.to(memory_format=memory_format)
     half &= device.type == "cuda"
     if half:
         net.half()
@@ -118,18 +124,15 @@ def run(
     plot_here = plots and dist.get_rank() == 0
     dataset = dataloader.dataset
     records, detections, confusion = [], [], ConfusionMatrix(len(names))
-    loss, n_batches, times = torch.zeros(3, device=device), 0, np.zeros(3)
+    loss, n_batches, times, timed_images, cold = torch.zeros(3, device=device), 0, np.zeros(3), 0, (np.zeros(3), 0)
     bar = tqdm(dataloader, desc=f"{prefix}{'Class':>20}{'Images':>11}{'Instances':>11}{'P':>11}{'R':>11}"
                f"{'mAP50':>11}{'mAP50-95':>11}", bar_format="{l_bar}{bar:10}{r_bar}",
                disable=not dist.get_rank() == 0, leave=False)
     for batch in bar:
         t0 = time.perf_counter()
         imgs = batch.images.to(device, non_blocking=True)
-        imgs = (imgs.half() if half else imgs.float()) / 255
+        imgs = ((imgs.half() if half else imgs.float()) / 255).contiguous(memory_format=memory_format)
         targets = batch.targets.to(device)
-        if warmup and n_batches == 0:
-            net(imgs)  # one-off costs (allocations, kernel selection) stay out of the timings
-            t0 = time.perf_counter()
         t1 = time.perf_counter()
         preds, train_out = net(imgs)
         if compute_loss is not None:
@@ -137,7 +140,11 @@ def run(
         t2 = time.perf_counter()
         dets = non_max_suppression(preds.float(), conf_thres, iou_thres, multi_label=True, max_det=max_det)
         t3 = time.perf_counter()
-        times += (t1 - t0, t2 - t1, t3 - t2)
+        if warmup and n_batches == 0:
+            cold = (np.array((t1 - t0, t2 - t1, t3 - t2)), len(imgs))
+        else:
+            times += (t1 - t0, t2 - t1, t3 - t2)
+            timed_images += len(imgs)
         if plot_here and n_batches < 3:  # rank 0 holds the split's first batches (if it has any)
             plot_images(batch.images, batch.targets, batch.paths, names, save_dir / f"val_batch{n_batches}_labels.jpg")
             plot_images(batch.images, output_to_target(dets), batch.paths, names,
@@ -154,7 +161,7 @@ def run(
                 detections.append((index, pred))
     if was_training:
         model.train()
-    shard = _Shard(records, loss.cpu(), n_batches, times, confusion.matrix, detections)
+    shard = _Shard(records, loss.cpu(), n_batches, times, timed_images, cold, confusion.matrix, detections)
     result, all_detections = _reduce(shard, names, verbose, prefix, dataset.im_files)
     if keep_dets and all_detections is not None:  # rank 0, after the broadcast: a write error stalls no rank
         _save(all_detections, dataset, names, Path(save_dir), save_txt, save_conf, save_json)
@@ -198,7 +205,10 @@ def _reduce(shard: _Shard, names: list[str], verbose: bool, prefix: str,
         metrics = evaluate([s for _, s in records], nc=len(names), names=names)
         total_batches = max(sum(p.n_batches for p in gathered), 1)
         mean_loss = (sum(p.loss for p in gathered) / total_batches).tolist()
-        speed = tuple(float(v) for v in (sum(p.times for p in gathered) / max(len(records), 1) * 1e3))
+        timed, spent = sum(p.timed_images for p in gathered), sum(p.times for p in gathered)
+        if not timed:  # every rank had a single batch: report the cold ones rather than nothing
+            timed, spent = sum(p.cold[1] for p in gathered), sum(p.cold[0] for p in gathered)
+        speed = tuple(float(v) for v in (spent / max(timed, 1) * 1e3))
         confusion = np.sum([p.confusion for p in gathered], axis=0, dtype=np.int64)  # integers: any order
         result = ValResult(metrics=metrics, loss=mean_loss, speed_ms=speed, images=len(records), confusion=confusion)
         _log(result, names, verbose, prefix)
@@ -271,6 +281,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
     p.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster on CPU; rounding differs)")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
@@ -343,7 +354,8 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     save_dir = make_save_dir(opt, info)
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
                  half=opt.half, verbose=opt.verbose, prefix=f"{task}: ", save_dir=save_dir, save_txt=opt.save_txt,
-                 save_conf=opt.save_conf, save_json=opt.save_json, warmup=True, plots=not opt.noplots)
+                 save_conf=opt.save_conf, save_json=opt.save_json, warmup=True, plots=not opt.noplots,
+                 channels_last=opt.channels_last)
     release_ram_caches(info.local_rank, loader.dataset.imgcache)
     pre, inf, nms = result.speed_ms
     LOGGER.info(f"Speed: {pre:.1f}ms pre-process, {inf:.1f}ms inference, {nms:.1f}ms NMS per image at "

@@ -150,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="where datasets, runs and logs go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
     p.add_argument("--only", choices=("ours", "yolov5"), default=None, help="run one tool only (debugging)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="run ours with --channels-last (NHWC memory format; same recipe, different rounding)")
     return p.parse_args(argv)
 
 
@@ -268,32 +270,20 @@ def train_args(tool: str, opt: argparse.Namespace, data_yaml: Path, hyp: Path, p
               "--name", "train", "--exist-ok"]
     if tool == "yolov5":
         return [*common, "--cfg", f"yolov5{opt.model}.yaml", "--weights", "", "--noplots"]
-    args = [*common, "--cfg", str(ROOT / "models" / f"yolov5{opt.model}.yaml")]
-    import train  # this repo's; only to see whether its CLI has grown a --noplots flag
+    return [*common, "--cfg", str(ROOT / "models" / f"yolov5{opt.model}.yaml"), "--noplots", *_ours_extra(opt)]
 
-    if "--noplots" in train.build_parser()._option_string_actions:
-        args.append("--noplots")
-    return args
+
+def _ours_extra(opt: argparse.Namespace) -> list[str]:
+    """Implementation switches of ours that leave the recipe alone (YOLOv5 has no such flags)."""
+    return ["--channels-last"] if opt.channels_last else []
 
 
 def val_args(tool: str, opt: argparse.Namespace, weights: Path, data_yaml: Path, out: Path) -> list[str]:
     """Standalone val.py arguments; results go under ``out``, and no plots (yolov5 is called with plots=False)."""
     args = ["--weights", str(weights), "--data", str(data_yaml), "--imgsz", str(opt.imgsz),
             "--batch-size", str(opt.val_batch_size), "--device", "cpu", "--workers", str(opt.workers)]
-    if tool == "yolov5":
-        return [*args, "--project", str(out), "--exist-ok"]
-    import contextlib
-    import io
-
-    import val  # this repo's; its flags are still growing, so use the ones it has
-    for extra in (["--project", str(out), "--exist-ok"], ["--noplots"]):
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                val.parse_opt([*args, *extra])
-                args += extra
-            except SystemExit:
-                pass
-    return args
+    args += ["--project", str(out), "--exist-ok"]
+    return args if tool == "yolov5" else [*args, "--noplots", *_ours_extra(opt)]
 
 
 def run_tool(tool: str, opt: argparse.Namespace, work: Path, names: dict[int, str], round_: int) -> dict:
@@ -373,7 +363,7 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
 
     lines = [f"yolov5{opt.model}, {any_['n_train']} train / {any_['n_val']} val images, {opt.imgsz}px, batch "
              f"{opt.batch_size}, {opt.epochs} epoch(s), workers {opt.workers}, seed {opt.seed}, CPU; "
-             f"best of {any_['rounds']} round(s)",
+             f"best of {any_['rounds']} round(s)" + ("; ours with --channels-last" if opt.channels_last else ""),
              f"{'':<31}{'ours':>10}{'yolov5':>10}{'yolov5/ours':>13}", "-" * 64]
     for label, fmt, agg, key, time_like in rows:
         a, b = value(o, key, agg), value(y, key, agg)

@@ -192,7 +192,7 @@ def _batches(loader) -> Iterator[Any]:
 def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
     """Build the training set-up train.py builds for one model and image size, and time its steps."""
     from models.yolo import Model, de_parallel
-    from train import init_seeds, loss_hyp
+    from train import init_seeds, loss_hyp, optimizer_step
     from utils import dist
     from utils.config import load_data_config, load_hyp, prepare_dataset
     from utils.loader import create_dataloader
@@ -261,12 +261,7 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
             sync()
         t6 = time.perf_counter()
         if step_now:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad()
-            ema.update(model)
+            optimizer_step(model, optimizer, scaler, ema)
             sync()
         t7 = time.perf_counter()
         if timed:

@@ -217,10 +217,13 @@ def test_no_usable_image_stops_every_rank_promptly(tmp_path):
 def test_recipe_flags_save_period_multiscale_keep_optimizer_syncbn(tiny_data, tmp_path):
     p = _run([sys.executable, "train.py", "--data", str(tiny_data), "--epochs", "2", "--project", str(tmp_path),
               "--name", "f", "--save-period", "1", "--multi-scale", "--keep-optimizer", "--sync-bn", "--cos-lr",
-              "--optimizer", "AdamW", *TINY])
+              "--optimizer", "AdamW", "--channels-last", *TINY])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     weights = tmp_path / "f" / "weights"
     assert sorted(f.name for f in weights.iterdir()) == ["best.pt", "epoch1.pt", "epoch2.pt", "last.pt"]
     assert "optimizer" in torch.load(weights / "last.pt", weights_only=True)  # kept, not stripped
     assert "--sync-bn needs CUDA and more than one rank" in p.stdout + p.stderr
     assert "optimizer: AdamW" in p.stdout
+    last = torch.load(weights / "last.pt", weights_only=True)
+    assert last["args"]["channels_last"] and all(torch.isfinite(v).all() for v in last["model"].values()
+                                                 if v.is_floating_point())
