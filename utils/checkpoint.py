@@ -6,9 +6,7 @@ is rebuilt from the yaml dict stored beside its state_dict.
 """
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import numpy as np
 import torch
 
 from utils.errors import UserError
+from utils.fileio import atomic_write
 
 FORMAT_VERSION = 1
 
@@ -84,34 +83,9 @@ def now_iso() -> str:
 
 
 def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
-    """Write atomically: temp file in the same folder, fsync, rename, fsync the folder.
-
-    A kill at any moment leaves either the previous file or the new one, never a torn file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it owner-only; a checkpoint is an ordinary file
-        with os.fdopen(fd, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Write atomically (utils.fileio): a kill at any moment leaves the previous file or the new one."""
+    with atomic_write(path) as f:
+        torch.save(ckpt, f)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

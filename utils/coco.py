@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from utils.errors import UserError, run_entry_point
+from utils.fileio import atomic_write
 
 
 def image_ids(im_files: Sequence[str]) -> dict[str, int]:
@@ -108,21 +108,9 @@ def dataset_ground_truth(dataset: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def write_json(obj: Any, path: str | Path) -> None:
-    """Write json atomically (temp file + rename), so a reader never sees half a file.
-
-    The temp file is opened normally (not mkstemp, which makes it 0600), so the result gets the
-    user's usual permissions.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write json atomically (utils.fileio), so a reader never sees half a file."""
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
 
 
 def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: bool = False,

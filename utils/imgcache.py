@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from utils.errors import UserError
+from utils.fileio import atomic_write
 from utils.logging import LOGGER
 
 CACHE_VERSION = 1
@@ -290,16 +291,9 @@ def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: b
         tmp.unlink(missing_ok=True)
     meta = {"version": CACHE_VERSION, "hash": hash_, "n": n, "nbytes": max(total, 1), "img_size": img_size,
             "augment": bool(augment), "uncached": int((index[:, 0] < 0).sum())}
-    tmp = cache.index_file.with_name(f".{cache.index_file.name}.tmp-{tag}")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, index=index, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                     files=np.frombuffer(json.dumps(list(im_files)).encode(), dtype=np.uint8))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, cache.index_file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(cache.index_file) as f:
+        np.savez(f, index=index, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                 files=np.frombuffer(json.dumps(list(im_files)).encode(), dtype=np.uint8))
     if meta["uncached"]:
         LOGGER.warning(f"WARNING: {meta['uncached']} image(s) did not match their header size or could not be "
                        f"read; they are loaded from disk each time")

@@ -25,6 +25,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.errors import UserError
+from utils.fileio import atomic_write
 from utils.logging import LOGGER
 
 IMG_SUFFIXES = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp")
@@ -440,23 +441,14 @@ def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -
 
 
 def save_cache(file: Path, result: ScanResult, hash_: str) -> None:
-    """Write arrays + JSON metadata atomically (temp file in the same folder, then os.replace)."""
+    """Write arrays + JSON metadata atomically (utils.fileio)."""
     lens = [len(x) for x in result.labels]
     labels = np.concatenate(result.labels).astype(np.float32) if sum(lens) else np.zeros((0, 5), np.float32)
     meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": result.img_files,
             "label_files": result.label_files, "msgs": result.msgs, "counts": result.counts}
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, labels=labels, offsets=np.cumsum([0] + lens, dtype=np.int64),
-                     shapes=result.shapes.astype(np.int32),
-                     meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-    finally:
-        if tmp.exists():
-            tmp.unlink(missing_ok=True)
+    with atomic_write(file) as f:
+        np.savez(f, labels=labels, offsets=np.cumsum([0] + lens, dtype=np.int64),
+                 shapes=result.shapes.astype(np.int32), meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
 
 
 def load_cache(file: Path, hash_: str) -> ScanResult | None:

@@ -1,0 +1,42 @@
+"""Atomic file writes: the one way this project replaces a file readers may be looking at.
+
+A kill at any moment leaves either the previous file or the new one, never a torn file: the
+data goes to a temp file in the same folder, is fsynced, renamed over the target, and the
+folder is fsynced so the rename itself survives a power cut.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Iterator
+
+
+@contextmanager
+def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:
+    """Open a temp file beside ``path`` for writing; on a clean exit it replaces ``path``.
+
+    The temp file is created with open(..., 'x'), so the result gets the user's usual permissions
+    (mkstemp would make it owner-only). On any exception, including KeyboardInterrupt, the temp
+    file is removed and ``path`` is untouched.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write writes whole files: mode 'w' or 'wb', not {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, mode.replace("w", "x"), encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
