@@ -106,7 +106,7 @@ def run(
 
     With ``save_txt``/``save_json`` every rank's detections go to rank 0 too, which writes them
     under ``save_dir`` (see _save). ``warmup`` leaves each rank's first batch (one-off allocations
-and kernel selection) out of the speed figures, instead of running it twice.
+    and kernel selection) out of the speed figures, instead of running it twice.
     ``plots``: rank 0 draws its first three batches (labels and predictions), the P/R/F1/PR curves
     and the confusion matrix into ``save_dir``.
     """
@@ -298,7 +298,7 @@ def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
         LOGGER.info("speed: timing the val split at conf 0.25, IoU 0.45 (YOLOv5's speed settings); nothing is saved")
     elif opt.conf_thres > 0.001:
         LOGGER.warning(f"WARNING: --conf-thres {opt.conf_thres} > 0.001 lowers mAP (COCO scores every detection)")
-    if opt.exist_ok and len(opt.weights) > 1 and (opt.save_txt or opt.save_json or not opt.noplots):
+    if opt.exist_ok and len(opt.weights) > 1 and saves_files(opt):
         raise UserError("--exist-ok with several --weights would overwrite each checkpoint's files with the next; "
                         "drop --exist-ok (each checkpoint gets its own project/name folder)")
     return opt
@@ -317,9 +317,14 @@ def main(opt: argparse.Namespace) -> list[ValResult]:
         dist.cleanup_distributed()
 
 
+def saves_files(opt: argparse.Namespace) -> bool:
+    """Whether this val.py run writes anything (labels, json or pictures) into project/name."""
+    return opt.save_txt or opt.save_json or not opt.noplots
+
+
 def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path | None:
     """project/name (incremented unless --exist-ok), chosen and created by rank 0 only when saving."""
-    if not (opt.save_txt or opt.save_json or not opt.noplots):
+    if not saves_files(opt):
         return None
     save_dir = None
     if info.is_main:
