@@ -29,6 +29,7 @@ from utils.autoanchor import check_anchors, set_anchors
 from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
                               set_rng_states, strip_optimizer, to_plain, versions)
 from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
+from utils.cpu import tune_malloc
 from utils.errors import UserError, run_entry_point
 from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
@@ -104,6 +105,8 @@ def main(opt: argparse.Namespace) -> None:
     dist.set_cpu_threads(info, opt.threads)
     ckpt = resolve_resume(opt) if opt.resume else None
     device = dist.select_device(opt.device, opt.batch_size, info)
+    if device.type == "cpu":
+        tune_malloc()  # large CPU tensors stay mapped between batches (utils/cpu.py)
     dist.init_distributed(info, device)
     try:
         train(opt, info, device, ckpt)
