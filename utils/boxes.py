@@ -1,6 +1,8 @@
 """Box formats, IoU and NMS. IoU and NMS come from torchvision.ops (one well-kept implementation)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 import torchvision
@@ -69,32 +71,55 @@ def non_max_suppression(
 
     conf = objectness * class score. multi_label keeps every class above conf_thres for a box
     (what mAP evaluation wants). No wall-clock limit: results never depend on machine speed.
+    On CPU the images of a batch run on torch's intra-op thread count in parallel: torchvision's
+    NMS kernel is single-threaded and releases the GIL, and each image's result is computed
+    exactly as it would be alone.
     """
     if not 0 <= conf_thres <= 1 or not 0 <= iou_thres <= 1:
         raise ValueError(f"conf_thres {conf_thres} and iou_thres {iou_thres} must lie in [0, 1]")
     bs, nc = prediction.shape[0], prediction.shape[2] - 5
     multi_label &= nc > 1
-    output = [torch.zeros((0, 6), device=prediction.device)] * bs
     candidates = prediction[..., 4] > conf_thres
-    for i, x in enumerate(prediction):
-        x = x[candidates[i]]
-        if not x.shape[0]:
-            continue
-        scores = x[:, 5:] * x[:, 4:5]  # conf = obj * cls
-        box = xywh2xyxy(x[:, :4])
-        if multi_label:
-            i_box, j = (scores > conf_thres).nonzero(as_tuple=False).T
-            x = torch.cat((box[i_box], scores[i_box, j, None], j[:, None].float()), 1)
-        else:
-            conf, j = scores.max(1, keepdim=True)
-            x = torch.cat((box, conf, j.float()), 1)[conf.view(-1) > conf_thres]
-        if classes is not None:
-            x = x[(x[:, 5:6] == torch.tensor(classes, device=x.device)).any(1)]
-        if not x.shape[0]:
-            continue
-        if x.shape[0] > max_nms:  # keep the most confident before the O(n^2) step
-            x = x[x[:, 4].argsort(descending=True)[:max_nms]]
-        group = torch.zeros_like(x[:, 5]) if agnostic else x[:, 5]
-        keep = torchvision.ops.batched_nms(x[:, :4], x[:, 4], group, iou_thres)[:max_det]
-        output[i] = x[keep]
-    return output
+
+    def one(i: int) -> torch.Tensor:
+        return _nms_image(prediction[i][candidates[i]], conf_thres, iou_thres, classes, agnostic, multi_label,
+                          max_det, max_nms)
+
+    threads = torch.get_num_threads()
+    if prediction.device.type == "cpu" and bs > 1 and threads > 1:
+        return list(_thread_pool(threads).map(one, range(bs)))
+    return [one(i) for i in range(bs)]
+
+
+def _nms_image(x: torch.Tensor, conf_thres: float, iou_thres: float, classes: list[int] | None, agnostic: bool,
+               multi_label: bool, max_det: int, max_nms: int) -> torch.Tensor:
+    """One image's candidates (rows with objectness > conf_thres) -> its (n, 6) detections."""
+    if not x.shape[0]:
+        return torch.zeros((0, 6), device=x.device)
+    scores = x[:, 5:] * x[:, 4:5]  # conf = obj * cls
+    box = xywh2xyxy(x[:, :4])
+    if multi_label:
+        i_box, j = (scores > conf_thres).nonzero(as_tuple=False).T
+        x = torch.cat((box[i_box], scores[i_box, j, None], j[:, None].float()), 1)
+    else:
+        conf, j = scores.max(1, keepdim=True)
+        x = torch.cat((box, conf, j.float()), 1)[conf.view(-1) > conf_thres]
+    if classes is not None:
+        x = x[(x[:, 5:6] == torch.tensor(classes, device=x.device)).any(1)]
+    if not x.shape[0]:
+        return torch.zeros((0, 6), device=x.device)
+    if x.shape[0] > max_nms:  # keep the most confident before the O(n^2) step
+        x = x[x[:, 4].argsort(descending=True)[:max_nms]]
+    group = torch.zeros_like(x[:, 5]) if agnostic else x[:, 5]
+    keep = torchvision.ops.batched_nms(x[:, :4], x[:, 4], group, iou_thres)[:max_det]
+    return x[keep]
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """A lazily made pool per thread count (no threads start at import)."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="nms")
+    return _POOLS[threads]
