@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from models.yolo import Model
 from utils import coco, dist
+from utils.cpu import tune_malloc
 from utils.boxes import non_max_suppression, xyxy2xywhn
 from utils.checkpoint import load_checkpoint
 from utils.config import ROOT, load_data_config, prepare_dataset
@@ -131,7 +132,7 @@ def run(
     for batch in bar:
         t0 = time.perf_counter()
         imgs = batch.images.to(device, non_blocking=True)
-        imgs = ((imgs.half() if half else imgs.float()) / 255).contiguous(memory_format=memory_format)
+        imgs = (imgs.half() if half else imgs.float()).div_(255).contiguous(memory_format=memory_format)
         targets = batch.targets.to(device)
         t1 = time.perf_counter()
         preds, train_out = net(imgs)
@@ -310,6 +311,8 @@ def main(opt: argparse.Namespace) -> list[ValResult]:
     dist.set_cpu_threads(info, opt.threads)
     check_opt(opt)
     device = dist.select_device(opt.device, info=info)
+    if device.type == "cpu":
+        tune_malloc()  # large CPU tensors stay mapped between batches (utils/cpu.py)
     dist.init_distributed(info, device)
     try:
         return [validate_checkpoint(opt, w, info, device) for w in opt.weights]
@@ -357,7 +360,8 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
                                   prefix=f"{task}: ")
     LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
     save_dir = make_save_dir(opt, info)
-    result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det,
+    model.fuse()  # in place: this model is val.py's own, so run() need not copy it
+    result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det, fuse=False,
                  half=opt.half, verbose=opt.verbose, prefix=f"{task}: ", save_dir=save_dir, save_txt=opt.save_txt,
                  save_conf=opt.save_conf, save_json=opt.save_json, warmup=True, plots=not opt.noplots,
                  channels_last=opt.channels_last)
