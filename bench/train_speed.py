@@ -20,6 +20,7 @@ and host read) because that helper is still changing.
 
 Flags that measure proposals rather than train.py as it is: --threads N (intra-op threads per
 rank), --ddp-no-sync (no gradient all-reduce on accumulation steps), --accumulate.
+--channels-last measures train.py's flag of that name.
 
 Figures:
   img/s      images per second summed over all ranks, over the timed steps only (warm-up steps
@@ -100,12 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batches per optimizer step (0: train.py's steady state for the batch size)")
     p.add_argument("--device", default="", help="'' (auto), cpu, 0 ... as in train.py")
     p.add_argument("--workers", type=int, default=8, help="max loader workers per rank (train.py's default)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads per rank (0: leave torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads per rank (0: train.py's default)")
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
     p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ref-seconds", type=float, default=1.0, help="time spent on each reference kernel")
     p.add_argument("--no-sync", action="store_true", help="no device sync between phases (CUDA: total only)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory format, as train.py --channels-last")
     p.add_argument("--ddp-no-sync", action="store_true",
                    help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
                         "train.py does today; same math, different float summation order)")
@@ -205,6 +207,8 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
     hyp = load_hyp(opt.hyp)
     init_seeds(opt.seed)
     model = Model(ROOT / "models" / f"yolov5{size}.yaml", nc=data.nc, anchors=data.anchors).to(device)
+    memory_format = torch.channels_last if opt.channels_last else torch.contiguous_format
+    model.to(memory_format=memory_format)  # as train.py: before EMA and DDP copy it
     gflops = model.info(imgsz).gflops  # forward, per image, at imgsz (thop)
     gs = max(int(model.stride.max()), 32)
     batch = opt.batch_size // info.world_size
@@ -237,7 +241,7 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
         t0 = time.perf_counter()
         b = next(batches)
         t1 = time.perf_counter()
-        imgs = b.images.to(device, non_blocking=True).float() / 255
+        imgs = b.images.to(device, non_blocking=True).float().div_(255).contiguous(memory_format=memory_format)
         targets = b.targets.to(device)
         sync()
         t2 = time.perf_counter()
@@ -454,9 +458,12 @@ def main(argv: list[str] | None = None) -> None:
 
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size, verbose=False)
-    if opt.threads:
-        torch.set_num_threads(opt.threads)
+    dist.set_cpu_threads(info, opt.threads)  # as train.py: ranks x threads <= cores unless --threads
     device = dist.select_device(opt.device, opt.batch_size, info)
+    if device.type == "cpu":
+        from utils.cpu import tune_malloc
+
+        tune_malloc()  # as train.py
     dist.init_distributed(info, device)
     try:
         results = []
