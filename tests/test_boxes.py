@@ -57,3 +57,17 @@ def test_a_batch_on_threads_equals_each_image_alone_on_one_thread():
     assert [d.shape[0] for d in batch][2] == 0 and all(d.shape[0] == 300 for i, d in enumerate(batch) if i != 2)
     for b, a in zip(batch, alone):
         assert torch.equal(b, a)
+
+
+def test_nms_leaves_no_threads_behind():
+    """Live idle threads that once ran torch ops make libgomp stop spinning: later ops slow down."""
+    import threading
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        pred = torch.cat((torch.rand(4, 500, 4) * 100, torch.rand(4, 500, 3)), 2)
+        non_max_suppression(pred, 0.001, 0.6, multi_label=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("nms")]
