@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh model")
     p.add_argument("--runs", type=int, default=2, help="end-to-end runs (the first one is cold)")
     p.add_argument("--noplots", action="store_true", help="pass --noplots to val.py (plots are timed otherwise)")
+    p.add_argument("--channels-last", action="store_true", help="pass --channels-last to val.py")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="val_speed_") as tmp:
         weights = a.weights or str(fresh_checkpoint(a.model, a.imgsz, a.data, a.seed, Path(tmp)))
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         out = ["--project", str(Path(tmp) / "runs"), "--exist-ok"]  # val.py's result files go to the temp dir
         val_argv += out if supports(out) else []
         val_argv += ["--noplots"] if a.noplots and supports(["--noplots"]) else []
+        val_argv += ["--channels-last"] if a.channels_last else []
         print(f"val.py {' '.join(val_argv)}  ({torch.get_num_threads()} threads)", flush=True)
         runs = [one_run(val_argv) for _ in range(a.runs)]
     print()
