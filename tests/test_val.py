@@ -318,3 +318,12 @@ def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_pa
     assert m.map50 > 0.5 and 0.15 < m.map < 0.95 and m.n_instances > 20
     assert abs(map50 - m.map50) < 1e-9 and abs(map5095 - m.map) < 1e-9, (map50, m.map50, map5095, m.map)
     assert result.confusion is not None and result.confusion[:, :-1].sum(0).tolist() == m.nt.tolist()
+
+
+def test_several_checkpoints_on_one_split_share_one_loader(weights, tiny_data):
+    """No second label read and no workers forked from a process already holding a validation."""
+    stdout = _ok(_run(["val.py", "--weights", str(weights), str(weights), "--data", str(tiny_data),
+                       "--batch-size", "5", "--workers", "1", "--noplots"]))
+    assert len(re.findall(r"Scanning", stdout)) == 1, stdout
+    results = re.findall(r"^Results: .*$", stdout, re.M)
+    assert len(results) == 2 and results[0] == results[1]
