@@ -30,10 +30,10 @@ from tqdm import tqdm
 
 from models.yolo import Model
 from utils import coco, dist
-from utils.cpu import tune_malloc
 from utils.boxes import non_max_suppression, xyxy2xywhn
 from utils.checkpoint import load_checkpoint
 from utils.config import ROOT, load_data_config, prepare_dataset
+from utils.cpu import tune_malloc
 from utils.errors import UserError, run_entry_point
 from utils.imgcache import release_ram_caches
 from utils.loader import create_dataloader
