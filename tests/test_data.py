@@ -362,3 +362,120 @@ def test_missing_and_unusable_datasets(tmp_path):
         (bad / f"{k}.jpg").write_bytes(b"not an image")
     with pytest.raises(UserError, match=r"bad/images: no usable images \(3 corrupt"):
         LoadImagesAndLabels(bad, nc=1)
+
+
+# ---------------------------------------------------------------- splits without labels, problem reports
+def _tiny_split(root: Path, n: int, labelled: int, labels: str = "labels", split: str = "train") -> Path:
+    """n tiny images in root/images/<split>; the first ``labelled`` get a one-box label in root/<labels>/<split>."""
+    imgs, lbls = root / "images" / split, root / labels / split
+    imgs.mkdir(parents=True, exist_ok=True)
+    lbls.mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        cv2.imwrite(str(imgs / f"{k:03d}.jpg"), np.full((24, 32, 3), 40 + k, np.uint8))
+        if k < labelled:
+            (lbls / f"{k:03d}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
+    return imgs
+
+
+def _warnings(logs: list[str], text: str) -> list[str]:
+    return [m for m in logs if "WARNING" in m and text in m]
+
+
+def test_val_split_without_labels_warns_once_at_scan(tmp_path, logs):
+    imgs = _tiny_split(tmp_path / "ds", 3, labelled=3, labels="Labels", split="val")
+    loader, data = create_dataloader(imgs, 64, 2, 32, nc=1, workers=0)  # evaluation loader: a warning
+    assert len(data) == 3
+    hits = _warnings(logs, "no label file found for any of its 3 images")
+    assert len(hits) == 1, logs
+    assert f"Looked for label files in {tmp_path / 'ds' / 'labels' / 'val'}/" in hits[0]
+    assert f"found {tmp_path / 'ds' / 'Labels'}/" in hits[0] and "Every metric will be zero" in hits[0]
+    with pytest.raises(UserError, match="no label file found for any of its 3 images"):  # training loader: fatal
+        create_dataloader(imgs, 64, 2, 32, nc=1, workers=0, shuffle=True)
+
+
+def test_training_split_mostly_without_labels_warns(tmp_path, logs):
+    imgs = _tiny_split(tmp_path / "ds", 14, labelled=2)
+    create_dataloader(imgs, 64, 2, 32, nc=1, workers=0, shuffle=True)
+    hits = _warnings(logs, "12 of 14 images have no label file")
+    assert len(hits) == 1 and f"Looked for their label files in {tmp_path / 'ds' / 'labels' / 'train'}/" in hits[0]
+    logs.clear()
+    few = _tiny_split(tmp_path / "few", 12, labelled=2)  # 10 missing: not more than 10, no warning
+    create_dataloader(few, 64, 2, 32, nc=1, workers=0, shuffle=True)
+    half = _tiny_split(tmp_path / "half", 24, labelled=12)  # 12 of 24: not over half
+    create_dataloader(half, 64, 2, 32, nc=1, workers=0, shuffle=True)
+    create_dataloader(imgs, 64, 2, 32, nc=1, workers=0)  # validation: backgrounds are its business
+    assert not _warnings(logs, "have no label file"), logs
+
+
+def test_every_problem_goes_to_the_report_file_also_from_the_cache(tmp_path, logs):
+    imgs = _tiny_split(tmp_path / "ds", 26, labelled=26)
+    lbls = tmp_path / "ds" / "labels" / "train"
+    (lbls / "000.txt").write_text("".join(f"{5 + k} 0.5 0.5 0.1 0.1\n" for k in range(30)))  # 30 bad rows
+    for k in range(1, 26):  # 25 more files with one bad row each
+        (lbls / f"{k:03d}.txt").write_text("0 0.5 0.5 0.4 0.4\n0 0.5 0.5 0.4\n")
+    expected = [f"{lbls / '000.txt'}: line {k + 1}: class outside [0, 0]" for k in range(30)]
+    expected += [f"{lbls / f'{k:03d}.txt'}: line 2: expected 5 columns" for k in range(1, 26)]
+    reports = []
+    for run in ("exp", "exp2"):
+        logs.clear()
+        data = LoadImagesAndLabels(imgs, nc=1, prefix="train: ", report_dir=tmp_path / "runs" / run)
+        assert data.cache_hit == (run == "exp2")
+        report = tmp_path / "runs" / run / "dataset_problems_train.txt"
+        lines = report.read_text().splitlines()
+        assert lines[0] == f"# dataset problems, split train: {imgs}" and lines[1].startswith("# 55 problem(s)")
+        assert len(lines) == 57 and all(got.startswith(want) for got, want in zip(lines[2:], expected))
+        assert all(line.endswith("; row dropped") for line in lines[2:])
+        reports.append(report.read_text())
+        console = next(m for m in logs if "dataset problem(s)" in m).splitlines()
+        assert console[0] == f"train: WARNING: 55 dataset problem(s) (all listed in {report}):"
+        # 20 lines: 5 of the first file, its "... more in this file" line, 14 others; 55 - 19 not shown
+        assert len(console) == 1 + 20 + 1 and console[-1] == f"... and 36 more: see {report}"
+        assert console[6] == f"{lbls / '000.txt'}: ... and 25 more problem(s) in this file"  # 5 per file
+        assert console[7].startswith(f"{lbls / '001.txt'}: line 2:")
+    assert reports[0] == reports[1]
+
+
+def test_report_only_when_there_are_problems(tmp_path, logs):
+    imgs = _tiny_split(tmp_path / "ds", 3, labelled=3)
+    run = tmp_path / "runs" / "exp"
+    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)
+    assert not run.exists()  # nothing to report: no folder either
+    (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5\n")
+    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run, verbose=False)
+    assert not run.exists()  # only the verbose rank (rank 0) writes
+    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)
+    assert (run / "dataset_problems_val.txt").read_text().count("000.txt: line 1: expected 5 columns") == 1
+    assert any(f"(all listed in {run / 'dataset_problems_val.txt'})" in m for m in logs)
+    (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5 0.1 0.1\n")
+    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)  # fixed: the old report goes
+    assert not (run / "dataset_problems_val.txt").exists()
+    logs.clear()
+    (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5\n")
+    LoadImagesAndLabels(imgs, nc=1, prefix="val: ")  # no report folder: console as before, no path
+    assert any("1 dataset problem(s):" in m for m in logs) and not any("listed in" in m for m in logs)
+
+
+def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from models.yolo import Model
+    from tests.conftest import ROOT, run_env
+    from utils.checkpoint import fp32_state_dict, save_checkpoint
+
+    _tiny_split(tmp_path / "ds", 4, labelled=4, split="val")
+    (tmp_path / "ds" / "labels" / "val" / "001.txt").write_text("0 0.5 0.5 0.4 0.4\n3 0.5 0.5 0.4 0.4\n")
+    data = tmp_path / "d.yaml"
+    data.write_text(f"path: {tmp_path / 'ds'}\ntrain: images/val\nval: images/val\nnames: [a]\n")
+    model = Model(ROOT / "models" / "yolov5n.yaml", nc=1)
+    save_checkpoint({"model_yaml": model.yaml, "model": fp32_state_dict(model), "args": {"imgsz": 64}},
+                    tmp_path / "w.pt")
+    project = tmp_path / "runs"
+    p = subprocess.run([sys.executable, "val.py", "--weights", str(tmp_path / "w.pt"), "--data", str(data),
+                        "--noplots", "--batch-size", "4", "--workers", "0", "--project", str(project)],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = project / "exp" / "dataset_problems_val.txt"
+    assert f"(all listed in {report})" in p.stdout
+    assert "001.txt: line 2: class outside [0, 0]" in report.read_text()
+    assert [f.name for f in (project / "exp").iterdir()] == ["dataset_problems_val.txt"]  # --noplots: nothing else

@@ -236,3 +236,128 @@ def test_no_usable_image_is_one_clear_error(tmp_path):
         require_usable(result, str(bad))
     with pytest.raises(UserError, match=r"allbad/images: no usable images"):
         LoadImagesAndLabels(bad, nc=NC, verbose=False)
+
+
+# ---------------------------------------------------------------- splits without labels
+def _split(root: Path, n: int, labels: str | None = "labels", split: str = "train", row: str = GOOD_ROW) -> Path:
+    """n tiny images in root/images/<split>, with a one-box label each in root/<labels>/<split> (None: no labels)."""
+    imgs = root / "images" / split
+    imgs.mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((24, 32, 3), 60 + k, np.uint8))
+        if labels:
+            (root / labels / split).mkdir(parents=True, exist_ok=True)
+            (root / labels / split / f"{k}.txt").write_text(row)
+    return imgs
+
+
+@pytest.mark.parametrize("misnamed", ["label", "Labels", "annotations", "ann"])
+def test_misnamed_label_folder_is_one_clear_error(tmp_path, misnamed):
+    imgs = _split(tmp_path / "ds", 4, labels=misnamed)
+    with pytest.raises(UserError) as e:
+        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+    msg = str(e.value)
+    assert msg.startswith(f"{imgs}: no label file found for any of its 4 images")
+    assert f"Looked for label files in {tmp_path / 'ds' / 'labels' / 'train'}/:" in msg
+    assert f"found {tmp_path / 'ds' / misnamed}/ beside the expected {tmp_path / 'ds' / 'labels'}/" in msg
+    assert f"which holds {tmp_path / 'ds' / misnamed / 'train' / '0.txt'}" in msg
+    assert "without an 'images' folder has its labels beside the image" in msg
+    assert "no option to train without labels" in msg and "background images" in msg
+    # the same split for validation or direct use is no error (validation warns: tests/test_data.py)
+    assert len(LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="val")) == 4
+    assert len(LoadImagesAndLabels(imgs, nc=NC, verbose=False)) == 4
+
+
+def test_annotations_beside_the_images_are_named(tmp_path):
+    imgs = _split(tmp_path / "ds", 3, labels=None)
+    for k in range(3):
+        (imgs / f"{k}.txt").write_text(GOOD_ROW)
+    (imgs / "0.xml").write_text("<annotation/>")
+    with pytest.raises(UserError) as e:
+        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+    msg = str(e.value)
+    expect = tmp_path / "ds" / "labels" / "train"
+    assert f"3 .txt file(s) lie beside the images (e.g. {imgs / '0.txt'}): move them to {expect}/" in msg
+    assert f"1 .xml file(s) lie beside the images (e.g. {imgs / '0.xml'}): Pascal VOC" in msg
+
+
+def test_image_path_without_images_folder_looks_beside_the_images(tmp_path):
+    pics = tmp_path / "ds" / "Images" / "train"
+    pics.mkdir(parents=True)
+    (tmp_path / "ds" / "labels" / "train").mkdir(parents=True)
+    for k in range(2):
+        cv2.imwrite(str(pics / f"{k}.jpg"), np.full((24, 32, 3), 90, np.uint8))
+        (tmp_path / "ds" / "labels" / "train" / f"{k}.txt").write_text(GOOD_ROW)
+    with pytest.raises(UserError) as e:
+        LoadImagesAndLabels(pics, nc=NC, verbose=False, role="train")
+    msg = str(e.value)
+    assert f"Looked for label files in {pics}/:" in msg and f"({pics / '0.jpg'} -> {pics / '0.txt'})" in msg
+    assert "has a folder named 'Images': the rule needs exactly 'images'" in msg
+    assert f"found {tmp_path / 'ds' / 'labels'}/" in msg
+
+
+def test_label_files_without_a_usable_row_are_an_error(tmp_path):
+    imgs = _split(tmp_path / "ds", 3, row="")
+    (tmp_path / "ds" / "labels" / "train" / "2.txt").write_text("7 0.5 0.5 0.2 0.2\n")  # class outside [0, 2]
+    with pytest.raises(UserError, match=r"no usable label in any of its 3 images: 2 label file\(s\) empty, 1 with "
+                                         r"only bad rows \(1 rows dropped"):
+        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+
+
+def test_no_labels_error_after_the_cache_names_the_same(tmp_path):
+    """Ranks other than local rank 0 read the cache: they must reach the same verdict and message."""
+    imgs = _split(tmp_path / "ds", 3, labels="label")
+    messages = []
+    for _ in range(2):
+        with pytest.raises(UserError) as e:
+            LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    assert (tmp_path / "ds" / "labels" / "train.cache.npz").is_file()  # the second one came from it
+
+
+def _misnamed_dataset(tmp_path: Path) -> Path:
+    """A data yaml whose train labels sit in label/train and val labels where they belong."""
+    root = tmp_path / "ds"
+    _split(root, 6, labels="label", split="train")
+    _split(root, 2, labels="labels", split="val")
+    data = tmp_path / "misnamed.yaml"
+    data.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames: [a, b, c]\n")
+    return data
+
+
+TINY_TRAIN = ["--imgsz", "64", "--batch-size", "4", "--epochs", "1", "--workers", "0"]
+
+
+def test_train_py_refuses_a_split_without_labels(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from tests.conftest import ROOT, run_env
+
+    data, t0 = _misnamed_dataset(tmp_path), time.time()
+    p = subprocess.run([sys.executable, "train.py", "--data", str(data), "--project", str(tmp_path / "runs"),
+                        *TINY_TRAIN], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and time.time() - t0 < 120, out[-3000:]
+    assert f"ERROR: {tmp_path / 'ds' / 'images' / 'train'}: no label file found for any of its 6 images" in out
+    assert f"found {tmp_path / 'ds' / 'label'}/ beside the expected" in out
+    assert "Traceback" not in out and not (tmp_path / "runs" / "exp" / "weights" / "last.pt").exists()
+
+
+def test_torchrun_refuses_a_split_without_labels_on_every_rank(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from tests.conftest import ROOT, run_env
+
+    data, t0 = _misnamed_dataset(tmp_path), time.time()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "train.py", "--data", str(data), "--project", str(tmp_path / "runs"), *TINY_TRAIN],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=200)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and time.time() - t0 < 200, out[-3000:]
+    assert out.count("no label file found for any of its 6 images") >= 2  # rank 0's and rank 1's own message
+    assert "[rank 1] ERROR: " in out and "local rank 0 failed" not in out
+    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
+    assert not any(frame in out for frame in ours) and "UserError" not in out

@@ -15,7 +15,9 @@ import torch
 
 from utils.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
 from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.labels import format_summary, read_image_bgr, require_usable, img2label_paths, resolve_image_files, report_messages, load_or_scan, _describe
+from utils.labels import (_describe, check_label_presence, format_summary, img2label_paths, load_or_scan,
+                          read_image_bgr, report_messages, require_usable, resolve_image_files,
+                          write_problem_report)
 from utils.logging import LOGGER
 
 HYP_DEFAULTS = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "fliplr": 0.5, "flipud": 0.0, "degrees": 0.0,
@@ -34,24 +36,31 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     ``__getitem__`` takes an index or ``(epoch, index)``; augmentation draws from
     ``np.random.default_rng([seed, epoch, index])`` only, so a sample is the same whichever
     worker, rank or resumed run produces it.
+
+    ``role`` says what the split is for: "train" refuses a split without any box, "val" warns
+    about one, None (direct use) checks nothing. With ``verbose`` (rank 0) and a ``report_dir``,
+    every scan problem is written to ``report_dir/dataset_problems_<split>.txt``.
     """
 
     def __init__(self, path: Any, img_size: int = 640, batch_size: int = 16, augment: bool = False,
                  hyp: Any = None, rect: bool = False, stride: int = 32, pad: float = 0.0,
                  single_cls: bool = False, *, nc: int, seed: int = 0, cache_dir: Path | None = None,
-                 prefix: str = "", verbose: bool = True) -> None:
+                 prefix: str = "", verbose: bool = True, role: str | None = None,
+                 report_dir: Path | None = None) -> None:
         self.path, self.img_size, self.augment, self.hyp = path, img_size, augment, hyp
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
         img_files = resolve_image_files(path)
         label_files = img2label_paths(img_files)
         result, self.cache_hit = load_or_scan(path, img_files, label_files, nc, cache_dir)
-        c, where = result.counts, _describe(path)
+        c, where, split = result.counts, _describe(path), prefix.strip(" :") or "split"
         if verbose:
-            report_messages(result.msgs, prefix)
+            report = write_problem_report(result.msgs, report_dir, split, where) if report_dir else None
+            report_messages(result.msgs, prefix, report)
             LOGGER.info(f"{prefix}Scanning {where}... {c['images']} images, {c['backgrounds']} backgrounds, "
                         f"{c['corrupt']} corrupt" + (" (from cache)" if self.cache_hit else ""))
-            LOGGER.info(format_summary(c, prefix.strip(" :") or "split"))
+            LOGGER.info(format_summary(c, split))
         require_usable(result, where)
+        check_label_presence(result, where, role, prefix, verbose)
         self.im_files, self.label_files = list(result.img_files), list(result.label_files)
         self.labels = [x.astype(np.float32).reshape(-1, 5).copy() for x in result.labels]
         if single_cls:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 from utils.dataset import LoadImagesAndLabels
 from utils.imgcache import build_or_open
 from utils.dist import dist_info, torch_distributed_zero_first
+from utils.errors import UserError
 from utils.logging import LOGGER
 
 
@@ -116,11 +117,14 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
                       hyp: Any = None, augment: bool = False, cache: str | None = None, pad: float = 0.0,
                       rect: bool = False, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                       workers: int = 8, shuffle: bool = False, seed: int = 0, nc: int = 80,
-                      cache_dir: Path | None = None, prefix: str = "") -> tuple[DataLoader, LoadImagesAndLabels]:
+                      cache_dir: Path | None = None, prefix: str = "",
+                      report_dir: Path | None = None) -> tuple[DataLoader, LoadImagesAndLabels]:
     """DataLoader and dataset for one rank; ``batch_size`` is per rank.
 
-    ``shuffle=True`` marks a training loader (TrainSampler, equal batch count on every rank);
-    otherwise evaluation (InferenceSampler). Local rank 0 scans and caches first.
+    ``shuffle=True`` marks a training loader (TrainSampler, equal batch count on every rank, and a
+    split without any label is an error); otherwise evaluation (InferenceSampler; no labels is a
+    warning). Local rank 0 scans and caches first. ``report_dir``: the run folder, where rank 0
+    writes the full list of the split's problems.
     """
     training = shuffle
     if rect and shuffle:
@@ -129,10 +133,17 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
     # Training shards interleave (rank::ws), so rectangle shapes are shared across a global batch;
     # with drop_last no padded index from another batch lands in a rank's last batch.
     dataset_bs = batch_size * world_size if (training and rect) else batch_size
+    error: UserError | None = None
     with torch_distributed_zero_first(local_rank):
-        dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect, stride=stride,
-                                      pad=pad, single_cls=single_cls, nc=nc, seed=seed, cache_dir=cache_dir,
-                                      prefix=prefix, verbose=rank == 0)
+        try:
+            dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect,
+                                          stride=stride, pad=pad, single_cls=single_cls, nc=nc, seed=seed,
+                                          cache_dir=cache_dir, prefix=prefix, verbose=rank == 0,
+                                          role="train" if training else "val", report_dir=report_dir)
+        except UserError as e:  # the verdict comes from the files (and the scan cache local rank 0 wrote), so
+            error = e           # every rank reaches it and names the problem itself, not "rank 0 failed"
+    if error is not None:
+        raise error
     if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
         dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=local_rank,
                                          shapes=dataset.shapes, path=path, prefix=prefix)
