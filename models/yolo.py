@@ -116,7 +116,10 @@ class Model(nn.Module):
         ch: int = 3,
         nc: int | None = None,
         anchors: list[list[float]] | None = None,
+        na: int | None = None,
     ) -> None:
+        """``na`` (anchors per level, YOLOv5's hyp ``anchors``) resamples the yaml's (or the
+        ``anchors`` override's) anchors to that count: placeholders that autoanchor then fits."""
         super().__init__()
         d, source = load_model_yaml(cfg)
         d["ch"] = d.get("ch", ch)
@@ -127,6 +130,12 @@ class Model(nn.Module):
         if anchors is not None:
             LOGGER.info(f"Overriding {source} anchors with {anchors}")
             d["anchors"] = _plain_anchors(anchors)
+        if na is not None:
+            base = check_anchors_spec(d.get("anchors"), f"{source}: 'anchors'")
+            if na != len(base[0]) // 2:
+                d["anchors"] = resample_anchors(base, na)
+                LOGGER.info(f"Overriding {source} anchors with {na} per level (placeholders until "
+                            f"autoanchor fits them): {d['anchors']}")
         self.yaml: dict[str, Any] = d
         self.source = source
         self.model, self.save = parse_model(copy.deepcopy(d), [d["ch"]], source=source)
@@ -326,6 +335,29 @@ def check_anchors_spec(anchors: Any, where: str) -> list[list[float]]:
         raise UserError(f"{where}: anchors must be a list of per-level lists of positive (w, h) pixel "
                         f"pairs, the same number on every level; got {anchors!r}")
     return anchors
+
+
+def resample_anchors(anchors: list[list[float]], n: int) -> list[list[float]]:
+    """Each level's anchors resampled to n pairs, evenly spaced in log size between its smallest
+    and largest (one anchor spans half to twice itself); the model builds with a sensible shape
+    per level, and autoanchor replaces these with fitted ones."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"resample_anchors: n must be a positive integer, got {n!r}")
+    out = []
+    for level in anchors:
+        pairs = sorted(zip(level[0::2], level[1::2]), key=lambda p: p[0] * p[1])
+        logs = [(math.log(w), math.log(h)) for w, h in pairs]
+        if len(logs) == 1:
+            (lw, lh), step = logs[0], math.log(2)
+            logs = [(lw - step, lh - step), (lw + step, lh + step)]
+        new = []
+        for j in range(n):
+            t = (len(logs) - 1) * (j / (n - 1) if n > 1 else 0.5)
+            i = min(int(t), len(logs) - 2)
+            f = t - i
+            new += [round(math.exp(a + (b - a) * f), 2) for a, b in zip(logs[i], logs[i + 1])]
+        out.append(new)
+    return out
 
 
 def _plain_anchors(anchors: Any) -> list[list[float]]:

@@ -11,17 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from models.yolo import Model
+from models.yolo import Model, resample_anchors
 from utils import autoanchor
 from utils.autoanchor import (
     AnchorFit,
     anchor_metrics,
+    anchors_per_level,
     check_anchors,
     kmean_anchors,
     label_wh,
     model_anchors_px,
     set_anchors,
 )
+from utils.errors import UserError
 from utils.loss import ComputeLoss
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -283,3 +285,63 @@ def test_kmean_anchors_with_too_few_points_falls_back(caplog):
     assert "random init" in caplog.text
     with pytest.raises(ValueError):
         kmean_anchors(np.zeros((0, 2)), n=9)
+
+
+# ----------------------------------------------------------------------------------------------
+# YOLOv5's hyp 'anchors' (anchors per level, fitted by autoanchor)
+
+
+def test_hyp_anchors_count_builds_and_fits_that_many_per_level(caplog):
+    """hyp.VOC.yaml-style 'anchors: 3.63': 4 anchors per level, placeholders until fitted."""
+    na = anchors_per_level(3.63, "hyp.yaml", noautoanchor=False)
+    assert na == 4
+    torch.manual_seed(0)
+    model = Model(MODELS / "yolov5n.yaml", nc=3, na=na)
+    det = model.detect
+    assert det.na == 4 and det.anchors.shape == (3, 4, 2)
+    assert all(conv.out_channels == 4 * (3 + 5) for conv in det.m)
+    assert torch.equal(det.stride, torch.tensor([8.0, 16.0, 32.0]))
+    placeholders = model_anchors_px(model)
+    # each level's placeholders span that level's yaml anchors, small to large
+    np.testing.assert_allclose(placeholders[:, 0], COCO_PX[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(placeholders[:, -1], COCO_PX[:, -1], rtol=1e-6)
+
+    ds = fake_dataset("coco")
+    with caplog.at_level(logging.INFO, logger="yolotrain"):
+        res = check_anchors(ds, model, thr=4.0, imgsz=640, force=True)
+    assert "asks for 4 anchors per level" in caplog.text  # fitted although the BPR was already good
+    assert res.replaced and res.bpr_after >= res.bpr_before
+    px = np.array(res.anchors_px, dtype=np.float64)
+    assert px.shape == (3, 8)
+    assert not np.allclose(px.reshape(3, 4, 2), placeholders)
+    np.testing.assert_allclose(model_anchors_px(model), px.reshape(3, 4, 2), rtol=1e-6)
+    assert model.yaml["anchors"] == res.anchors_px
+    assert torch.equal(Model(copy.deepcopy(model.yaml)).detect.anchors, det.anchors)  # checkpoint rebuild
+    loss, items = ComputeLoss(model, make_hyp())(model.train()(torch.zeros(1, 3, 128, 128)),
+                                                torch.tensor([[0, 1, 0.5, 0.5, 0.3, 0.2]]))
+    assert torch.isfinite(loss).all()
+
+
+def test_hyp_anchors_without_autoanchor_is_refused():
+    assert anchors_per_level(0.0, "h.yaml", noautoanchor=True) is None  # 0: the model yaml's anchors
+    with pytest.raises(UserError, match=r"h\.yaml: 'anchors: 3\.412' asks for 3 anchors per level.*--noautoanchor"):
+        anchors_per_level(3.412, "h.yaml", noautoanchor=True)
+
+
+def test_forced_fit_with_no_labels_keeps_the_placeholders(caplog):
+    model = Model(MODELS / "yolov5n.yaml", nc=3, na=2)
+    before = model.detect.anchors.clone()
+    ds = types.SimpleNamespace(labels=[np.zeros((0, 5), np.float32)] * 2, shapes=np.array([[640, 480]] * 2))
+    with caplog.at_level(logging.WARNING, logger="yolotrain"):
+        res = check_anchors(ds, model, force=True)
+    assert not res.replaced and torch.equal(model.detect.anchors, before)
+    assert "placeholder anchors" in caplog.text
+
+
+def test_resample_anchors_is_geometric_per_level():
+    assert resample_anchors(COCO_ANCHORS, 3) == [[float(v) for v in level] for level in COCO_ANCHORS]
+    one = resample_anchors([[10, 40]], 3)[0]
+    assert one == [5.0, 20.0, 10.0, 40.0, 20.0, 80.0]  # a single anchor spans half to twice itself
+    mid = resample_anchors([[10, 10, 40, 40]], 3)[0]
+    assert mid == [10.0, 10.0, 20.0, 20.0, 40.0, 40.0]  # the geometric middle, not the arithmetic one
+    assert resample_anchors([[10, 10, 40, 40]], 1) == [[20.0, 20.0]]

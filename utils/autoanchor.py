@@ -5,7 +5,9 @@ whose width and height are both within a factor ``thr`` (``hyp.anchor_t``) of th
 is exactly the rule ``ComputeLoss.build_targets`` applies. The share of labels that at least one
 anchor covers is the best possible recall (BPR). If it is below 0.98, k-means on the label sizes
 gives starting anchors, a mutation-only genetic search improves them, and the model's anchors
-are replaced only if the new set covers more labels.
+are replaced only if the new set covers more labels. A hyp file's ``anchors`` count (YOLOv5's
+hyp.VOC/Objects365) builds the model with that many placeholder anchors per level, which are
+fitted whatever their BPR (``force``).
 
 Every random draw comes from ``np.random.default_rng(seed)``, so the result is a pure function of
 the labels, the model's anchors and the seed. Training still computes it on rank 0 only and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from models.yolo import check_anchor_order, de_parallel
+from utils.errors import UserError
 from utils.logging import LOGGER, colorstr
 
 PREFIX = "AutoAnchor: "
@@ -311,32 +315,37 @@ def _update_yaml(m: nn.Module, anchors: list[list[float]]) -> None:
 
 
 def check_anchors(dataset: Any, model: nn.Module, thr: float = 4.0, imgsz: int = 640,
-                  seed: int = 0) -> AnchorResult:
+                  seed: int = 0, force: bool = False) -> AnchorResult:
     """Measure the model's anchors on the dataset's labels; re-fit and replace them if poor.
 
     BPR is measured on all labels with a seeded 0.9-1.1 per-image scale jitter (YOLOv5), so a
     borderline fit is judged under the size variation training will see. New anchors replace
-    the old ones only if they cover more labels.
+    the old ones only if they cover more labels. ``force`` (the hyp file's ``anchors`` count,
+    whose anchors are placeholders) fits whatever the BPR and keeps the fit unless it covers fewer.
     """
     current = model_anchors_px(model)
     current_yaml = _yaml_anchors(current)
     if not any(len(lb) for lb in dataset.labels):
-        LOGGER.warning(f"{PREFIX}WARNING: the dataset has no labels; keeping the model's anchors")
+        kept = "the placeholder anchors resampled from the model yaml's" if force else "the model's anchors"
+        LOGGER.warning(f"{PREFIX}WARNING: the dataset has no labels; keeping {kept}")
         return AnchorResult(math.nan, math.nan, False, current_yaml)
     rng = np.random.default_rng(seed)
     scale = rng.uniform(*SCALE_AUG, size=(len(dataset.shapes), 1))
     wh = _image_wh(dataset, imgsz, scale)
     before = anchor_metrics(current, wh, thr)
     msg = f"{colorstr(PREFIX)}{before.aat:.2f} anchors/target, {before.bpr:.3f} Best Possible Recall (BPR). "
-    if before.bpr >= BPR_GOOD:
+    det = de_parallel(model).detect
+    if force:
+        LOGGER.info(msg + f"The hyp file asks for {det.na} anchors per level: fitting them to the dataset...")
+    elif before.bpr >= BPR_GOOD:
         LOGGER.info(msg + "Current anchors are a good fit to dataset")
         return AnchorResult(before.bpr, before.bpr, False, current_yaml)
-    LOGGER.info(msg + "Anchors are a poor fit to dataset, computing new anchors...")
-    det = de_parallel(model).detect
+    else:
+        LOGGER.info(msg + "Anchors are a poor fit to dataset, computing new anchors...")
     new = kmean_anchors(label_wh(dataset, imgsz), n=det.nl * det.na, img_size=imgsz, thr=thr, seed=seed)
     new = np.round(new, YAML_DECIMALS)  # score exactly what would be applied
     after = anchor_metrics(new, wh, thr)
-    if after.bpr > before.bpr:
+    if after.bpr > before.bpr or (force and after.bpr >= before.bpr):
         set_anchors(model, new)
         applied = _yaml_anchors(model_anchors_px(model))
         LOGGER.info(f"{PREFIX}Done: new anchors (BPR {before.bpr:.3f} -> {after.bpr:.3f}) are in the "
@@ -346,6 +355,20 @@ def check_anchors(dataset: Any, model: nn.Module, thr: float = 4.0, imgsz: int =
     LOGGER.info(f"{PREFIX}Done: original anchors are better than new anchors (BPR {after.bpr:.3f}), "
                 "proceeding with original anchors")
     return AnchorResult(before.bpr, before.bpr, False, current_yaml)
+
+
+def anchors_per_level(hyp_anchors: float, hyp_file: str | Path, noautoanchor: bool) -> int | None:
+    """YOLOv5's hyp ``anchors``: the anchor count per level a fresh model is built with (None keeps
+    the model yaml's). Those anchors only mean something once autoanchor has fitted them, so
+    ``--noautoanchor`` together with the key is refused rather than training on placeholders."""
+    if hyp_anchors <= 0:
+        return None
+    n = round(hyp_anchors)
+    if noautoanchor:
+        raise UserError(f"{hyp_file}: 'anchors: {hyp_anchors:g}' asks for {n} anchors per level fitted by "
+                        "autoanchor, but --noautoanchor turns autoanchor off; drop --noautoanchor, or remove "
+                        "'anchors' from the hyp file (or set it to 0) to keep the model yaml's anchors")
+    return n
 
 
 def format_anchors(anchors_px: Sequence[Sequence[float]]) -> str:

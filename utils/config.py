@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,9 @@ class Hyp:
     cls_pw: float = 1.0  # class BCE positive weight
     obj: float = 1.0  # objectness loss gain (scaled by image size and layers)
     obj_pw: float = 1.0  # objectness BCE positive weight
-    iou_t: float = 0.20  # IoU training threshold (kept for YOLOv5 yaml compatibility)
+    iou_t: float = 0.20  # unused, as in YOLOv5 7.0 (targets match anchors by anchor_t); accepted so its files load
     anchor_t: float = 4.0  # anchor-multiple threshold for target matching
+    anchors: float = 0.0  # YOLOv5: anchors per level, rounded, fitted by autoanchor (0 = the model yaml's)
     fl_gamma: float = 0.0  # focal loss gamma (0 = plain BCE)
     label_smoothing: float = 0.0
     hsv_h: float = 0.015  # HSV augmentation gains (fractions)
@@ -73,11 +75,16 @@ class Hyp:
     fliplr: float = 0.5
     mosaic: float = 1.0
     mixup: float = 0.0
-    copy_paste: float = 0.0
+    copy_paste: float = 0.0  # YOLOv5's needs segment labels; boxes only here, so > 0 is ignored with a warning
     close_mosaic: float = 0.0  # final epochs trained without mosaic (YOLOv8 style; 0 = YOLOv5 behaviour)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+# Keys YOLOv5's hyp files do not carry (label_smoothing is its --label-smoothing flag; anchors only in
+# VOC/Objects365): their defaults are YOLOv5's behaviour, so leaving them out is not worth a warning.
+OPTIONAL_HYP = ("anchors", "label_smoothing", "close_mosaic")
 
 
 def load_hyp(path: str | Path) -> Hyp:
@@ -93,10 +100,22 @@ def load_hyp(path: str | Path) -> Hyp:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{path}: hyperparameter '{key}' must be a number, got {value!r}")
         values[key] = float(value)
-    missing = sorted(known - set(values))
+    missing = sorted(known - set(values) - set(OPTIONAL_HYP))
     if missing:
         LOGGER.warning(f"{path}: missing {', '.join(missing)}; using the defaults")
-    return Hyp(**values)
+    hyp = Hyp(**values)
+    _check_yolov5_extras(path, hyp)
+    return hyp
+
+
+def _check_yolov5_extras(path: str | Path, hyp: Hyp) -> None:
+    """YOLOv5 keys with no box-only equivalent: refuse values that cannot work, warn about ignored ones."""
+    if hyp.anchors != 0 and not (0.5 <= hyp.anchors < math.inf):  # YOLOv5 rounds it: under 0.5 is none
+        raise UserError(f"{path}: 'anchors' is the number of anchors per detection level, fitted by autoanchor "
+                        f"(0 keeps the model yaml's); got {hyp.anchors:g}")
+    if hyp.copy_paste > 0:
+        LOGGER.warning(f"{path}: copy_paste {hyp.copy_paste:g} is ignored: YOLOv5's copy-paste needs segment "
+                       "(polygon) labels, and yolotrain trains on boxes only (polygon rows are read as their box)")
 
 
 @dataclass
@@ -112,6 +131,8 @@ class DataConfig:
     generate: str | None = None
     generate_args: dict = field(default_factory=dict)
     anchors: list | None = None  # optional per-level [w, h, ...] pixel lists overriding the model's
+    path_text: str | None = None  # 'path' as written, to say where YOLOv5/Ultralytics would have looked
+    has_download: bool = False  # YOLOv5's 'download' (URL or code): only named in errors, never fetched or run
 
     @property
     def nc(self) -> int:
@@ -149,13 +170,17 @@ def load_data_config(path: str | Path) -> DataConfig:
     for key in ("train", "val", "names"):
         if key not in raw:
             raise UserError(f"{file}: missing required key '{key}'")
-    root = Path(str(raw.get("path") or ".")).expanduser()
+    path_text = None if raw.get("path") in (None, "") else str(raw["path"])
+    root = Path(path_text or ".").expanduser()
     root = (root if root.is_absolute() else file.resolve().parent / root).resolve()
     names = _names_list(file, raw["names"])
     if not names:
         raise UserError(f"{file}: 'names' is empty")
-    if "nc" in raw and int(raw["nc"]) != len(names):
-        raise UserError(f"{file}: nc is {raw['nc']} but 'names' lists {len(names)} classes")
+    nc = raw.get("nc")  # optional, as in YOLOv5 (which counts the names); checked when given
+    if nc is not None and (isinstance(nc, bool) or not isinstance(nc, (int, float))):
+        raise UserError(f"{file}: 'nc' must be the number of classes, got {nc!r}")
+    if nc is not None and nc != len(names):
+        raise UserError(f"{file}: nc is {nc!r} but 'names' lists {len(names)} classes")
     cfg = DataConfig(
         file=file,
         root=root,
@@ -166,6 +191,8 @@ def load_data_config(path: str | Path) -> DataConfig:
         generate=raw.get("generate"),
         generate_args=dict(raw.get("generate_args") or {}),
         anchors=None if raw.get("anchors") is None else check_anchors_spec(raw["anchors"], f"{file}: 'anchors'"),
+        path_text=path_text,
+        has_download=bool(raw.get("download")),
     )
     if not cfg.train or not cfg.val:
         raise UserError(f"{file}: 'train' and 'val' must name at least one path each")
@@ -191,9 +218,43 @@ def prepare_dataset(cfg: DataConfig) -> None:
     for key in ("train", "val", "test"):
         for p in getattr(cfg, key):
             if not Path(p).exists():
-                raise UserError(f"{cfg.file}: '{key}' path not found: {p}")
+                raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
             if not _has_images(Path(p)):
                 raise UserError(f"{cfg.file}: '{key}' has no images: {p}")
+
+
+def _root_candidates(cfg: DataConfig) -> list[tuple[Path, str]]:
+    """Where YOLOv5 and Ultralytics would have put this yaml's dataset root, and why."""
+    text = cfg.path_text
+    if text is None:  # YOLOv5 resolves the splits against its repo folder, usually the working directory
+        return [(Path.cwd(), "the working directory, against which YOLOv5 resolves splits when there is no path:")]
+    if Path(text).expanduser().is_absolute():
+        return []
+    return [(Path.cwd() / text, "relative to the working directory, as YOLOv5 resolves it from its repo folder"),
+            (cfg.file.resolve().parent.parent / text,
+             "relative to the yaml folder's parent, as YOLOv5 resolves it for a yaml in its data/ folder"),
+            (Path.cwd() / "datasets" / text, "in ./datasets, as Ultralytics resolves it")]
+
+
+def _missing_split_hint(cfg: DataConfig, split: Path) -> str:
+    """'; why' for a missing split: the root YOLOv5 or Ultralytics would have used when that one has
+    the split, else where the dataset belongs (a download key is never fetched or run); may be ''."""
+    where = (f"path '{cfg.path_text}' resolves to {cfg.root} (against this yaml's folder)" if cfg.path_text
+             else f"there is no path:, so splits resolve against this yaml's folder {cfg.root}")
+    try:
+        rel = split.relative_to(cfg.root)
+    except ValueError:  # an absolute split outside the root: path: played no part
+        rel = None
+    if rel is not None:
+        found = [(c.resolve(), why) for c, why in _root_candidates(cfg) if (c / rel).exists()]
+        found = [(c, why) for c, why in found if c != cfg.root]
+        if found:
+            state = "which does not exist" if not cfg.root.exists() else f"which has no {rel}"
+            return f"; {where}, {state}; {found[0][0]} has {rel} ({found[0][1]}): set path: to {found[0][0]}"
+    if cfg.has_download:
+        target = cfg.root if rel is not None and not cfg.root.exists() else split
+        return f"; the yaml has a download key: yolotrain never downloads or runs it; put the dataset at {target}"
+    return f"; {where}, which does not exist" if rel is not None and not cfg.root.exists() else ""
 
 
 def _has_images(path: Path) -> bool:
