@@ -25,9 +25,10 @@ from tqdm import tqdm
 import val as validate
 from models.yolo import Model, de_parallel
 from utils import dist
-from utils.autoanchor import check_anchors, set_anchors
+from utils.autoanchor import anchors_per_level, check_anchors, set_anchors
 from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
                               set_rng_states, strip_optimizer, to_plain, versions)
+from utils.cli import IMGSZ, SEED, ArgumentParser, Range
 from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
 from utils.cpu import tune_malloc
 from utils.errors import UserError, run_entry_point
@@ -53,29 +54,35 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
+    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
     p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov5n.yaml)")
     p.add_argument("--weights", default=None, help="yolotrain checkpoint to fine-tune from (matching tensors are transferred)")
-    p.add_argument("--freeze", nargs="+", type=int, default=[0], help="freeze the first N layers, or the listed layer indices")
+    p.add_argument("--freeze", nargs="+", type=Range(int, min=0), default=[0],
+                   help="freeze the first N layers, or the listed layer indices")
     p.add_argument("--noautoanchor", action="store_true", help="keep the model yaml's anchors")
     p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
-    p.add_argument("--epochs", type=int, default=15, help="total training epochs (sized for the quick built-in run)")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch size, split over all ranks")
-    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=320, help="train and val image size (pixels)")
+    p.add_argument("--epochs", type=Range(int, min=1), default=15,
+                   help="total training epochs (sized for the quick built-in run)")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
+    p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
-    p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers (per rank)")
+    p.add_argument("--threads", type=Range(int, min=0), default=0,
                    help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     p.add_argument("--optimizer", default="SGD", choices=("SGD", "Adam", "AdamW"))
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
-    p.add_argument("--patience", type=int, default=100, help="early stop after this many epochs without improvement")
-    p.add_argument("--val-batch-size", type=int, default=32, help="validation images per batch (per rank)")
+    p.add_argument("--patience", type=Range(int, min=0), default=100,
+                   help="early stop after this many epochs without improvement (0: never)")
+    p.add_argument("--val-batch-size", type=Range(int, min=1), default=32,
+                   help="validation images per batch (per rank)")
     p.add_argument("--noval", action="store_true", help="only validate the final epoch")
-    p.add_argument("--save-period", type=int, default=-1, help="also keep weights/epochN.pt every N epochs (< 1: off)")
-    p.add_argument("--save-interval", type=float, default=0.0,
+    p.add_argument("--save-period", type=Range(int), default=-1,
+                   help="also keep weights/epochN.pt every N epochs (< 1: off)")
+    p.add_argument("--save-interval", type=Range(float, min=0), default=0.0,
                    help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
@@ -86,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")
     p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
-    p.add_argument("--seed", type=int, default=0, help="global training seed")
+    p.add_argument("--seed", type=SEED, default=0, help="global training seed")
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume the latest run, a given last.pt, or 'auto': this run's last.pt if it exists "
                         "(for torchrun --max-restarts), else start it")
@@ -95,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
     return p
 
 
@@ -168,6 +175,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     save_dir = Path(dist.broadcast_object(str(save_dir)))
     weights_dir = save_dir / "weights"
     hyp = Hyp(**ckpt["hyp"]) if ckpt else load_hyp(opt.hyp)
+    na = None if ckpt else anchors_per_level(hyp.anchors, opt.hyp, opt.noautoanchor)  # hyp 'anchors' (YOLOv5)
     opt.save_dir = str(save_dir)
     if info.is_main:
         weights_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +192,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
 
     # Model: identical initial weights on every rank (DDP also broadcasts rank 0's at wrap time).
     init_seeds(opt.seed)
-    model = build_model(opt, ckpt, nc, data.anchors).to(device)
+    model = build_model(opt, ckpt, nc, data.anchors, na).to(device)
     freeze_layers(model, opt.freeze)
     memory_format = torch.channels_last if opt.channels_last else torch.contiguous_format
     model.to(memory_format=memory_format)  # before EMA and DDP copy it
@@ -196,7 +204,8 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     batch = opt.batch_size // info.world_size
     common = dict(stride=gs, single_cls=opt.single_cls, rank=info.rank, world_size=info.world_size,
                   local_rank=info.local_rank, workers=opt.workers, seed=opt.seed, nc=len(data.names),
-                  cache_dir=opt.cache_dir)  # the scan checks the file's classes; single_cls then maps them to 0
+                  cache_dir=opt.cache_dir,  # the scan checks the file's classes; single_cls then maps them to 0
+                  report_dir=save_dir)  # rank 0 lists every scan problem in save_dir/dataset_problems_<split>.txt
     train_loader, train_set = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
                                                 shuffle=True, cache=opt.cache, prefix="train: ", **common)
     val_loader, val_set = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, cache=opt.cache,
@@ -210,7 +219,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     if not ckpt and not opt.noautoanchor:  # before EMA and DDP copy the model; resume keeps its anchors
         new_anchors = None
         if info.is_main:
-            fit = check_anchors(train_set, model, thr=hyp.anchor_t, imgsz=imgsz, seed=opt.seed)
+            fit = check_anchors(train_set, model, thr=hyp.anchor_t, imgsz=imgsz, seed=opt.seed, force=na is not None)
             new_anchors = fit.anchors_px if fit.replaced else None
         new_anchors = dist.broadcast_object(new_anchors)  # computed once, the same on every rank
         if new_anchors is not None and not info.is_main:
@@ -388,7 +397,8 @@ def _hms(seconds: float) -> str:
     return f"{m // 60}:{m % 60:02d}:{sec:02d}"
 
 
-def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: list | None) -> Model:
+def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: list | None,
+                na: int | None = None) -> Model:
     """The model to train: a resumed run's own, or one built from --cfg (or --weights' yaml) with
     the tensors of --weights that fit transferred."""
     if ckpt:  # resume: exactly the saved model
@@ -397,7 +407,7 @@ def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: li
         return model
     source = load_checkpoint(opt.weights) if opt.weights else None
     cfg = opt.cfg or (source["model_yaml"] if source else ROOT / "models" / "yolov5n.yaml")
-    model = Model(cfg, nc=nc, anchors=anchors)
+    model = Model(cfg, nc=nc, anchors=anchors, na=na)
     if source:
         state = source.get("ema") or source["model"]
         own = model.state_dict()

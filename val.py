@@ -32,6 +32,7 @@ from models.yolo import Model
 from utils import coco, dist
 from utils.boxes import non_max_suppression, xyxy2xywhn
 from utils.checkpoint import load_checkpoint
+from utils.cli import IMGSZ, ArgumentParser, Range
 from utils.config import ROOT, load_data_config, prepare_dataset
 from utils.cpu import tune_malloc
 from utils.errors import UserError, run_entry_point
@@ -258,19 +259,25 @@ def _log(result: ValResult, names: list[str], verbose: bool, prefix: str) -> Non
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
+    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", nargs="+", required=True, help="checkpoint path(s) written by train.py, scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per batch (per rank)")
-    p.add_argument("--imgsz", "--img", "--img-size", type=int, default=None, help="inference size (default: training size)")
-    p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold")
-    p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
-    p.add_argument("--max-det", type=int, default=300, help="maximum detections per image")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch (per rank)")
+    p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
+                   help="inference size (default: training size)")
+    p.add_argument("--conf-thres", type=Range(float, min=0, max=1), default=0.001, help="confidence threshold")
+    p.add_argument("--iou-thres", type=Range(float, min=0, max=1), default=0.6, help="NMS IoU threshold")
+    p.add_argument("--max-det", type=Range(int, min=1), default=300, help="maximum detections per image")
     p.add_argument("--task", default="val", choices=("val", "test", "speed"),
                    help="split to score; speed: time the val split at conf 0.25, IoU 0.45, saving nothing")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
-    p.add_argument("--workers", type=int, default=8, help="max dataloader workers (per rank)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers (per rank)")
+    p.add_argument("--threads", type=Range(int, min=0), default=0,
                    help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     p.add_argument("--single-cls", action="store_true", help="treat as single-class dataset")
     p.add_argument("--verbose", action="store_true", help="report mAP by class")
@@ -287,8 +294,8 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    return p
 
 
 def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
@@ -329,15 +336,21 @@ def saves_files(opt: argparse.Namespace) -> bool:
     return opt.save_txt or opt.save_json or not opt.noplots
 
 
-def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path | None:
-    """project/name (incremented unless --exist-ok), chosen and created by rank 0 only when saving."""
+def pick_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path:
+    """project/name (incremented unless --exist-ok), chosen by rank 0 and shared; not created here, so a
+    run that writes nothing (no saved files, no dataset problems to report) leaves no folder."""
+    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok) if info.is_main else None
+    return Path(dist.broadcast_object(str(save_dir) if save_dir else None))
+
+
+def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo, save_dir: Path | None = None) -> Path | None:
+    """The run folder (``save_dir`` or a new pick), created by rank 0, when this run saves files; else None."""
     if not saves_files(opt):
         return None
-    save_dir = None
+    save_dir = save_dir or pick_save_dir(opt, info)
     if info.is_main:
-        save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok)
         save_dir.mkdir(parents=True, exist_ok=True)
-    return Path(dist.broadcast_object(str(save_dir) if save_dir else None))
+    return save_dir
 
 
 def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistInfo, device: torch.device,
@@ -365,14 +378,16 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
         raise UserError(f"{data.file}: no '{task}' split")
     # nc is the dataset's class count: single-cls relabels rows to 0 after the scan checks them
     key = (str(data.file), task, imgsz, stride, single_cls)
+    run_dir = pick_save_dir(opt, info)  # before the scan: its problem report goes there (only if it has problems)
     if key not in loaders:
         loaders[key], _ = create_dataloader(split, imgsz, opt.batch_size, stride, single_cls=single_cls, rect=True,
                                             pad=0.5, rank=info.rank, world_size=info.world_size,
                                             local_rank=info.local_rank, workers=opt.workers, nc=len(data.names),
-                                            cache=opt.cache, cache_dir=opt.cache_dir, prefix=f"{task}: ")
+                                            cache=opt.cache, cache_dir=opt.cache_dir, prefix=f"{task}: ",
+                                            report_dir=run_dir)
     loader = loaders[key]
     LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
-    save_dir = make_save_dir(opt, info)
+    save_dir = make_save_dir(opt, info, run_dir)
     model.fuse()  # in place: this model is val.py's own, so run() need not copy it
     result = run(model, loader, device, names, opt.conf_thres, opt.iou_thres, opt.max_det, fuse=False,
                  half=opt.half, verbose=opt.verbose, prefix=f"{task}: ", save_dir=save_dir, save_txt=opt.save_txt,

@@ -28,6 +28,7 @@ import cv2
 
 from data.shapes import generate_shapes
 from utils.augment import resize_long_side
+from utils.cli import ArgumentParser, Range
 from utils.imgcache import build_or_open
 from utils.logging import setup_logging
 
@@ -79,14 +80,19 @@ def rank(blob: bytes, workers: int, ready: mp.Queue, done: mp.Event) -> None:
         p.join()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--images", type=int, default=2000)
-    ap.add_argument("--img-size", type=int, default=320)
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=2)
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's."""
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--images", type=Range(int, min=1), default=2000)
+    ap.add_argument("--img-size", type=Range(int, min=64, note="the shapes generator's smallest image"), default=320)
+    ap.add_argument("--ranks", type=Range(int, min=1), default=2)
+    ap.add_argument("--workers", type=Range(int, min=0), default=2)
     ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "yolotrain-bench-shapes")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     setup_logging()
 
     generate_shapes(args.root, seed=0, n_train=args.images, n_val=0, img_size=args.img_size)

@@ -62,6 +62,8 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
+from utils.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+
 # Run by either interpreter: sys.argv = [shim, mode, events.json, ROOT, *tool args]. Records
 # (what, start, end, extra) stamps around the tool's own functions and writes them as JSON.
 SHIM = r'''
@@ -133,26 +135,33 @@ else:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's."""
+    p = ArgumentParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--yolov5-python", required=True, help="python of the venv that has the yolov5 package")
     p.add_argument("--model", default="n", help="model size: yolov5<size>.yaml in both tools")
-    p.add_argument("--epochs", type=int, default=2, help="training epochs for each tool")
-    p.add_argument("--imgsz", type=int, default=320)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--val-batch-size", type=int, default=32, help="standalone val.py batch (training val uses 2 x batch)")
-    p.add_argument("--workers", type=int, default=8, help="max loader workers (both cap it at the core count)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-train", type=int, default=0, help="use the first N training images (0: all)")
-    p.add_argument("--n-val", type=int, default=0, help="use the first N validation images (0: all)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--epochs", type=Range(int, min=1), default=2, help="training epochs for each tool")
+    p.add_argument("--imgsz", type=IMGSZ, default=320)
+    p.add_argument("--batch-size", type=Range(int, min=1), default=16)
+    p.add_argument("--val-batch-size", type=Range(int, min=1), default=32,
+                   help="standalone val.py batch (training val uses 2 x batch)")
+    p.add_argument("--workers", type=Range(int, min=0), default=8,
+                   help="max loader workers (both cap it at the core count)")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--n-train", type=Range(int, min=0), default=0, help="use the first N training images (0: all)")
+    p.add_argument("--n-val", type=Range(int, min=0), default=0, help="use the first N validation images (0: all)")
+    p.add_argument("--rounds", type=Range(int, min=1), default=1,
                    help="run both tools this many times, alternating their order; report each figure's best")
     p.add_argument("--work-dir", default=None, help="where datasets, runs and logs go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
     p.add_argument("--only", choices=("ours", "yolov5"), default=None, help="run one tool only (debugging)")
     p.add_argument("--channels-last", action="store_true",
                    help="run ours with --channels-last (NHWC memory format; same recipe, different rounding)")
-    return p.parse_args(argv)
+    return p
 
 
 # ---------------------------------------------------------------------------------------------- set-up

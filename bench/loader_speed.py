@@ -20,6 +20,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from utils.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 from utils.config import load_data_config, load_hyp, prepare_dataset  # noqa: E402
 from utils.imgcache import release_ram_caches  # noqa: E402
 from utils.loader import create_dataloader  # noqa: E402
@@ -58,16 +59,21 @@ def model_rate(imgsz: int, batch: int, steps: int = 5) -> float:
     return steps * batch / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's."""
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"))
     p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"))
-    p.add_argument("--imgsz", type=int, default=320)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--batches", type=int, default=25)
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--imgsz", type=IMGSZ, default=320)
+    p.add_argument("--batch", type=Range(int, min=1), default=16)
+    p.add_argument("--batches", type=Range(int, min=1), default=25)
+    p.add_argument("--workers", type=Range(int, min=0), nargs="+", default=[0, 1, 2])
     p.add_argument("--cache", nargs="+", default=["none", "ram"])
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     from utils.logging import setup_logging
 
     setup_logging(verbose=False)

@@ -92,13 +92,20 @@ def run_coco(images: list[dict[str, np.ndarray]], nc: int) -> tuple[float, float
     return t1 - t0, t2 - t1, float(np.mean(s[0][s[0] > -1])), float(np.mean(s[s > -1]))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's (import here: see __main__)."""
+    from utils.cli import ArgumentParser, Range
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=Range(int, min=1), default=5000)
+    ap.add_argument("--classes", type=Range(int, min=1), default=80)
+    ap.add_argument("--seed", type=Range(int, min=0), default=0)
+    return ap
+
+
 def main() -> None:
     """Parse flags, run both evaluators on the same data and print the comparison."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=5000)
-    ap.add_argument("--classes", type=int, default=80)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     images = make_images(args.images, args.classes, args.seed)
     n_gt = sum(len(im["gt_cls"]) for im in images)
     n_det = sum(len(im["pred_cls"]) for im in images)

@@ -79,13 +79,21 @@ def format_table(rows: list[Row], tol: float) -> tuple[str, bool]:
     return "\n".join(lines), all_ok
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's (import here: see __main__)."""
+    from utils.cli import IMGSZ, ArgumentParser, Range
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--imgsz", type=IMGSZ, default=640, help="image side for GFLOPs")
+    ap.add_argument("--nc", type=Range(int, min=1), default=80, help="number of classes (the published table uses 80)")
+    ap.add_argument("--tol", type=Range(float, min=0), default=2.0, help="allowed relative difference, percent")
+    ap.add_argument("--models", default="n,s,m,l,x", help="comma-separated sizes")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, measure each model, print the table; 0 if all pass, else 1."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--imgsz", type=int, default=640, help="image side for GFLOPs")
-    ap.add_argument("--nc", type=int, default=80, help="number of classes (the published table uses 80)")
-    ap.add_argument("--tol", type=float, default=2.0, help="allowed relative difference, percent")
-    ap.add_argument("--models", default="n,s,m,l,x", help="comma-separated sizes")
+    ap = build_parser()
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.models.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in PUBLISHED]

@@ -22,19 +22,25 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from data.shapes import generate_shapes  # noqa: E402
+from utils.cli import ArgumentParser, Range  # noqa: E402
 from utils.labels import (cache_paths, format_summary, img2label_paths, load_or_scan,  # noqa: E402
                           resolve_image_files, scan_labels)
 
 NC = 6  # classes in the shapes dataset
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's."""
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "yolotrain-scan-bench")
-    ap.add_argument("--n", type=int, default=20000, help="training images")
-    ap.add_argument("--img-size", type=int, default=160)
-    ap.add_argument("--workers", type=int, default=None, help="scan threads (default: min(8, cpus))")
-    args = ap.parse_args()
+    ap.add_argument("--n", type=Range(int, min=1), default=20000, help="training images")
+    ap.add_argument("--img-size", type=Range(int, min=64, note="the shapes generator's smallest image"), default=160)
+    ap.add_argument("--workers", type=Range(int, min=1), default=None, help="scan threads (default: min(8, cpus))")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     t = time.perf_counter()
     generate_shapes(args.root, seed=0, n_train=args.n, n_val=0, img_size=args.img_size)

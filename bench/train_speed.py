@@ -63,6 +63,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, also under torch
 
 import torch  # noqa: E402
 
+from utils.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+
 PHASES = ("data", "prep", "forward", "loss", "nan-check", "backward", "optim")
 
 
@@ -89,23 +91,32 @@ class Result:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like train.py's."""
+    p = ArgumentParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", nargs="+", default=["n", "s"], help="model sizes (models/yolov5<size>.yaml)")
-    p.add_argument("--imgsz", nargs="+", type=int, default=[320, 640], help="training image sizes")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, split over ranks as in train.py")
-    p.add_argument("--warmup", type=int, default=4,
+    p.add_argument("--imgsz", nargs="+", type=IMGSZ, default=[320, 640], help="training image sizes")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=16,
+                   help="global batch, split over ranks as in train.py")
+    p.add_argument("--warmup", type=Range(int, min=0), default=4,
                    help="untimed steps first (loader start-up, allocator); rounded up to whole accumulation cycles")
-    p.add_argument("--steps", type=int, default=4, help="timed steps; rounded up to whole accumulation cycles")
-    p.add_argument("--accumulate", type=int, default=0,
+    p.add_argument("--steps", type=Range(int, min=1), default=4,
+                   help="timed steps; rounded up to whole accumulation cycles")
+    p.add_argument("--accumulate", type=Range(int, min=0), default=0,
                    help="batches per optimizer step (0: train.py's steady state for the batch size)")
     p.add_argument("--device", default="", help="'' (auto), cpu, 0 ... as in train.py")
-    p.add_argument("--workers", type=int, default=8, help="max loader workers per rank (train.py's default)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads per rank (0: train.py's default)")
+    p.add_argument("--workers", type=Range(int, min=0), default=8,
+                   help="max loader workers per rank (train.py's default)")
+    p.add_argument("--threads", type=Range(int, min=0), default=0,
+                   help="torch intra-op threads per rank (0: train.py's default)")
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
     p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ref-seconds", type=float, default=1.0, help="time spent on each reference kernel")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--ref-seconds", type=Range(float, min=0), default=1.0, help="time spent on each reference kernel")
     p.add_argument("--no-sync", action="store_true", help="no device sync between phases (CUDA: total only)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format, as train.py --channels-last")
     p.add_argument("--ddp-no-sync", action="store_true",
@@ -113,15 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "train.py does today; same math, different float summation order)")
     p.add_argument("--profile", choices=("torch", "cprofile"), default=None,
                    help="profile the timed steps and print the top entries")
-    p.add_argument("--profile-rows", type=int, default=25, help="rows of profile output")
-    p.add_argument("--scaling", type=int, default=0, metavar="N",
+    p.add_argument("--profile-rows", type=Range(int, min=1), default=25, help="rows of profile output")
+    p.add_argument("--scaling", type=Range(int, min=0), default=0, metavar="N",
                    help="run each configuration with 1 and then N processes (torchrun) and print the efficiency")
     p.add_argument("--json", default=None, help="also write the results to this file (rank 0)")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    opt = p.parse_args(argv)
-    if opt.steps < 1 or opt.warmup < 0:
-        p.error("--steps must be at least 1 and --warmup at least 0")
-    return opt
+    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    return p
 
 
 # ---------------------------------------------------------------------------------------------- reference

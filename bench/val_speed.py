@@ -40,6 +40,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from utils.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+
 
 class Timers:
     """Accumulated seconds per label, fed by wrapped functions and the loader proxy."""
@@ -180,21 +182,26 @@ def format_run(k: int, r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags, range-checked at parse time like val.py's."""
+    p = ArgumentParser(description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", default=None, help="checkpoint to score (default: a fresh model, see above)")
     p.add_argument("--model", default="n", help="size of the fresh model when no --weights")
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--imgsz", type=int, default=320)
-    p.add_argument("--batch-size", type=int, default=32, help="val.py's default")
-    p.add_argument("--workers", type=int, default=8, help="val.py's default (capped at the cores)")
+    p.add_argument("--imgsz", type=IMGSZ, default=320)
+    p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="val.py's default")
+    p.add_argument("--workers", type=Range(int, min=0), default=8, help="val.py's default (capped at the cores)")
     p.add_argument("--device", default="", help="'' (auto), cpu, 0 ...")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fresh model")
-    p.add_argument("--runs", type=int, default=2, help="end-to-end runs (the first one is cold)")
+    p.add_argument("--seed", type=Range(int, min=0), default=0, help="seed of the fresh model")
+    p.add_argument("--runs", type=Range(int, min=1), default=2, help="end-to-end runs (the first one is cold)")
     p.add_argument("--noplots", action="store_true", help="pass --noplots to val.py (plots are timed otherwise)")
     p.add_argument("--channels-last", action="store_true", help="pass --channels-last to val.py")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="val_speed_") as tmp:
         weights = a.weights or str(fresh_checkpoint(a.model, a.imgsz, a.data, a.seed, Path(tmp)))
         val_argv = ["--weights", weights, "--data", a.data, "--imgsz", str(a.imgsz), "--batch-size",

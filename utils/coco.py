@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from utils.cli import ArgumentParser
 from utils.errors import UserError, run_entry_point
 from utils.fileio import atomic_write
 
@@ -133,14 +134,19 @@ def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: 
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m utils.coco", description="Export a YOLO-format split's ground truth "
-                                "as COCO json (ids match val.py --save-json)")
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The export CLI (no numeric flags today; utils/cli gives it the one-line errors of the others)."""
+    p = ArgumentParser(prog="python -m utils.coco", description="Export a YOLO-format split's ground truth "
+                       "as COCO json (ids match val.py --save-json)")
     p.add_argument("--data", required=True, help="dataset yaml")
     p.add_argument("--task", default="val", choices=("train", "val", "test"), help="which split")
     p.add_argument("--out", required=True, help="output json file")
     p.add_argument("--single-cls", action="store_true", help="one class 'item', as val.py --single-cls")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    return p.parse_args(argv)
+    return p
 
 
 def main(opt: argparse.Namespace) -> None:

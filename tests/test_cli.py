@@ -1,0 +1,139 @@
+"""Numeric flags are checked at parse time: one line naming the flag, the value and the range, exit 2."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, run_env
+from utils.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
+
+BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
+         "train_speed", "val_speed")
+
+
+def _bench_parser(name: str) -> argparse.ArgumentParser:
+    """A bench script's parser; the scripts are not a package, so load each by path."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module.build_parser()
+
+
+def _parser(cli: str) -> argparse.ArgumentParser:
+    if cli == "train":
+        import train
+        return train.build_parser()
+    if cli == "val":
+        import val
+        return val.build_parser()
+    if cli == "coco":
+        from utils import coco
+        return coco.build_parser()
+    return _bench_parser(cli)
+
+
+# ---------------------------------------------------------------- the checker itself
+def test_range_parses_and_refuses():
+    assert Range(int, min=1)("3") == 3 and Range(float, min=0, max=1)("1") == 1.0
+    for rng, text in ((Range(int, min=1), "0"), (Range(int, min=1), "1.5"), (Range(float, min=0), "nan"),
+                      (Range(float, min=0), "inf"), (Range(float, min=0, max=1), "-0.1"), (Range(int), "x")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got '{text}'"):
+            rng(text)
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        Range(int, min=1)("0")
+    assert str(e.value) == "must be an integer >= 1, got '0'"
+    assert repr(Range(float, min=0, max=1)) == "Range(float, min=0, max=1)"
+    assert Range(int, min=32, note="the largest model stride").__name__ == \
+        "an integer >= 32 (the largest model stride)"
+
+
+def test_checker_finds_unchecked_numeric_flags():
+    p = ArgumentParser()
+    p.add_argument("--ok", type=Range(int, min=1), default=1)
+    p.add_argument("--plain-int", type=int)
+    p.add_argument("--plain-float", default=0.5)
+    p.add_argument("--list", nargs="+", type=str, default=[0])
+    p.add_argument("--bad-default", type=Range(int, min=1), default=0)
+    p.add_argument("--switch", action="store_true")
+    p.add_argument("--word", default="x")
+    assert check_numeric_flags(p) == ["--plain-int", "--plain-float", "--list"]
+    assert check_defaults(p) == ["--bad-default"]
+
+
+# ---------------------------------------------------------------- every CLI uses it
+@pytest.mark.parametrize("cli", ["train", "val", "coco", *BENCH])
+def test_every_numeric_flag_is_range_checked(cli):
+    parser = _parser(cli)
+    assert isinstance(parser, ArgumentParser), f"{cli}: use utils.cli.ArgumentParser for one-line errors"
+    assert check_numeric_flags(parser) == [], f"{cli}: numeric flags without a Range type"
+    assert check_defaults(parser) == [], f"{cli}: defaults outside their Range"
+
+
+@pytest.mark.parametrize("cli, argv, flag, value", [
+    ("train", ["--epochs", "0"], "--epochs", "0"),
+    ("train", ["--epochs", "-2"], "--epochs", "-2"),
+    ("train", ["--imgsz", "0"], "--imgsz", "0"),
+    ("train", ["--img", "16"], "--imgsz", "16"),
+    ("train", ["--batch-size", "0"], "--batch-size", "0"),
+    ("train", ["--workers", "-1"], "--workers", "-1"),
+    ("train", ["--save-interval", "nan"], "--save-interval", "nan"),
+    ("train", ["--seed", "-1"], "--seed", "-1"),
+    ("train", ["--freeze", "-1"], "--freeze", "-1"),
+    ("val", ["--weights", "x.pt", "--batch-size", "0"], "--batch-size", "0"),
+    ("val", ["--weights", "x.pt", "--conf-thres", "1.5"], "--conf-thres", "1.5"),
+    ("val", ["--weights", "x.pt", "--iou-thres", "-0.1"], "--iou-thres", "-0.1"),
+    ("val", ["--weights", "x.pt", "--max-det", "0"], "--max-det", "0"),
+])
+def test_bad_value_is_one_line_and_exit_2(cli, argv, flag, value, capsys):
+    parser = _parser(cli)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ERROR: argument {flag}") and f"'{value}'" in lines[0], lines[0]
+
+
+def test_defaults_and_aliases_still_parse():
+    import train
+    import val
+
+    assert train.build_parser().parse_args(["--img-size", "64", "--local_rank", "1"]).imgsz == 64
+    opt = val.build_parser().parse_args(["--weights", "x.pt"])
+    assert opt.imgsz is None and opt.conf_thres == 0.001
+
+
+# ---------------------------------------------------------------- as users run them
+@pytest.mark.parametrize("argv, line", [
+    (["train.py", "--epochs", "0"], "ERROR: argument --epochs: must be an integer >= 1, got '0'"),
+    (["val.py", "--weights", "x.pt", "--conf-thres", "1.5"],
+     "ERROR: argument --conf-thres: must be a number from 0 to 1, got '1.5'"),
+])
+def test_cli_refuses_before_anything_starts(argv, line, tmp_path):
+    t0 = time.time()
+    p = subprocess.run([sys.executable, *argv, "--project", str(tmp_path / "runs")], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.splitlines() == [line] and p.stdout == ""
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "runs").exists()  # no run folder: nothing started
+    assert time.time() - t0 < 60
+
+
+def test_torchrun_every_rank_refuses(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "train.py", "--batch-size", "0", "--project", str(tmp_path / "runs")],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert out.count("ERROR: argument --batch-size: must be an integer >= 1, got '0'") == 2, out[-3000:]
+    # torchrun's launcher prints its own ChildFailedError report; no frame may come from our code
+    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
+    assert not any(frame in out for frame in ours)
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,118 @@
+"""Command-line parsing shared by every CLI: range-checked numeric flags and one-line errors.
+
+A bad number (``--epochs 0``, ``--conf-thres 1.5``, ``--save-interval nan``) is refused while the
+arguments are parsed, before any device, process group or data work starts, with one line
+naming the flag, the value and the allowed range, and exit status 2 (argparse's). Under torchrun
+every rank parses its own argv, so every rank stops the same way.
+
+Leaf module: standard library only, so any CLI (and bench script) can use it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import NoReturn, Union
+
+Number = Union[int, float]
+
+
+class Range:
+    """An argparse ``type=`` that parses an int or a float and checks it against inclusive bounds.
+
+    ``Range(int, min=1)``, ``Range(float, min=0, max=1)``; floats also refuse nan and inf.
+    ``note`` says why the bound is what it is, e.g. ``"the largest model stride"``.
+    """
+
+    def __init__(self, kind: type[int] | type[float], min: Number | None = None, max: Number | None = None,
+                 note: str = "") -> None:
+        if kind not in (int, float):
+            raise TypeError(f"Range kind must be int or float, got {kind!r}")
+        if min is not None and max is not None and min > max:
+            raise ValueError(f"Range min {min} > max {max}")
+        self.kind, self.min, self.max, self.note = kind, min, max, note
+        self.__name__ = self.describe()  # argparse names a type by __name__ in its own messages
+
+    def describe(self) -> str:
+        """The allowed values in words: 'an integer >= 1', 'a number from 0 to 1'."""
+        what = "an integer" if self.kind is int else ("a number" if self.max is not None else "a finite number")
+        lo, hi = (None if b is None else f"{b:g}" if isinstance(b, float) else str(b) for b in (self.min, self.max))
+        if lo is not None and hi is not None:
+            what += f" from {lo} to {hi}"
+        elif lo is not None:
+            what += f" >= {lo}"
+        elif hi is not None:
+            what += f" <= {hi}"
+        return what + (f" ({self.note})" if self.note else "")
+
+    def contains(self, value: object) -> bool:
+        """Whether an already-parsed value (e.g. a default) is allowed."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+    def __call__(self, text: str) -> Number:
+        try:
+            value = self.kind(str(text))
+        except ValueError:
+            value = None
+        if value is None or not self.contains(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {str(text)!r}")
+        return value
+
+    def __repr__(self) -> str:
+        bounds = "".join(f", {k}={v!r}" for k, v in (("min", self.min), ("max", self.max)) if v is not None)
+        return f"Range({self.kind.__name__}{bounds})"
+
+
+IMGSZ = Range(int, min=32, note="the largest model stride")  # train.py rounded smaller sizes up to it
+SEED = Range(int, min=0, max=2**32 - 1)  # numpy.random.seed's range; train.py seeds random, numpy and torch
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``ERROR: argument --epochs: must be ..., got '0'``, exit 2.
+
+    The usage dump is left out (``-h`` still prints it); the message keeps argparse's wording.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"ERROR: {' '.join(str(message).split())}\n")
+
+
+def _name(action: argparse.Action) -> str:
+    return action.option_strings[0] if action.option_strings else action.dest
+
+
+def _numbers(value: object) -> list[Number]:
+    """The int/float values in a default (a number, or a list/tuple for nargs flags); bools are not numbers."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def check_numeric_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Names of flags that take a number but are not range-checked (want: []), so none skips the check.
+
+    Numeric: ``type`` int or float, or a default that is (or lists) an int or float.
+    """
+    unchecked = []
+    for action in parser._actions:
+        if action.nargs == 0 or isinstance(action.type, Range):  # switches, -h, or already checked
+            continue
+        if action.type in (int, float) or _numbers(action.default):
+            unchecked.append(_name(action))
+    return unchecked
+
+
+def check_defaults(parser: argparse.ArgumentParser) -> list[str]:
+    """Names of range-checked flags whose default is outside the range (want: []); None means 'unset'."""
+    bad = []
+    for action in parser._actions:
+        if isinstance(action.type, Range) and action.default is not None:
+            values = action.default if isinstance(action.default, (list, tuple)) else [action.default]
+            if not all(action.type.contains(v) for v in values):
+                bad.append(_name(action))
+    return bad
+
