@@ -24,22 +24,24 @@ from tqdm import tqdm
 
 import val as validate
 from models.yolo import Model, de_parallel
-from utils import dist
-from utils.autoanchor import anchors_per_level, check_anchors, set_anchors
-from utils.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
+from utils.core import dist
+from utils.engine.autoanchor import anchors_per_level, check_anchors, set_anchors
+from utils.engine.checkpoint import (fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint,
                               set_rng_states, strip_optimizer, to_plain, versions)
-from utils.cli import IMGSZ, SEED, ArgumentParser, Range
-from utils.config import ROOT, Hyp, load_data_config, load_hyp, prepare_dataset
-from utils.cpu import tune_malloc
-from utils.errors import UserError, run_entry_point
-from utils.imgcache import release_ram_caches
-from utils.loader import create_dataloader
-from utils.logging import LOGGER, colorstr, setup_logging
-from utils.loss import ComputeLoss
-from utils.optim import (NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda,
+from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range
+from utils.core.fileio import ROOT
+from utils.core.hyp import Hyp, load_hyp
+from utils.data.config import load_data_config, prepare_dataset
+from utils.core.cpu import tune_malloc
+from utils.core.errors import UserError, run_entry_point
+from utils.data.imgcache import release_ram_caches
+from utils.data.loader import create_dataloader
+from utils.core.logging import LOGGER, colorstr, setup_logging
+from models.heads.anchor_loss import ComputeLoss
+from utils.engine.optim import (NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda,
                          smart_optimizer)
-from utils.plots import plot_images, plot_labels, plot_results
-from utils.runs import ResultsCSV, increment_path, latest_checkpoint
+from utils.eval.plots import plot_images, plot_labels, plot_results
+from utils.core.runs import ResultsCSV, increment_path, latest_checkpoint
 
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
@@ -113,7 +115,7 @@ def main(opt: argparse.Namespace) -> None:
     ckpt = resolve_resume(opt) if opt.resume else None
     device = dist.select_device(opt.device, opt.batch_size, info)
     if device.type == "cpu":
-        tune_malloc()  # large CPU tensors stay mapped between batches (utils/cpu.py)
+        tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)
     try:
         train(opt, info, device, ckpt)

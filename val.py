@@ -10,7 +10,7 @@ put back in COCO image-id order (sorted image paths) and evaluated once, so the 
 depend on the world size. ``run()`` is the same function train.py calls each epoch.
 
 Saving (rank 0 only, into runs/val/exp, exp2, ...): --save-txt writes labels/<stem>.txt;
---save-json writes predictions.json and ground_truth.json (COCO, ids as in utils/coco.py, so
+--save-json writes predictions.json and ground_truth.json (COCO, ids as in utils/eval/coco.py, so
 pycocotools reproduces the mAP); either also writes metrics.json (metrics, confusion matrix).
 """
 from __future__ import annotations
@@ -29,19 +29,21 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from models.yolo import Model
-from utils import coco, dist
-from utils.boxes import non_max_suppression, xyxy2xywhn
-from utils.checkpoint import load_checkpoint
-from utils.cli import IMGSZ, ArgumentParser, Range
-from utils.config import ROOT, load_data_config, prepare_dataset
-from utils.cpu import tune_malloc
-from utils.errors import UserError, run_entry_point
-from utils.imgcache import release_ram_caches
-from utils.loader import create_dataloader
-from utils.logging import LOGGER, colorstr, setup_logging
-from utils.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
-from utils.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
-from utils.runs import increment_path
+from utils.eval import coco
+from utils.core import dist
+from utils.core.boxes import non_max_suppression, xyxy2xywhn
+from utils.engine.checkpoint import load_checkpoint
+from utils.core.cli import IMGSZ, ArgumentParser, Range
+from utils.core.fileio import ROOT
+from utils.data.config import load_data_config, prepare_dataset
+from utils.core.cpu import tune_malloc
+from utils.core.errors import UserError, run_entry_point
+from utils.data.imgcache import release_ram_caches
+from utils.data.loader import create_dataloader
+from utils.core.logging import LOGGER, colorstr, setup_logging
+from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
+from utils.eval.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
+from utils.core.runs import increment_path
 
 DEFAULT_DATA = ROOT / "data" / "shapes.yaml"
 
@@ -191,7 +193,7 @@ def _reduce(shard: _Shard, names: list[str], verbose: bool, prefix: str,
             im_files: list[str]) -> tuple[ValResult, list[tuple[int, np.ndarray]] | None]:
     """Gather every rank's shard to rank 0, evaluate once in COCO image-id order, broadcast.
 
-    The order is the images' sorted paths (utils.coco ids), not the loader's rect order, so score
+    The order is the images' sorted paths (utils.eval.coco ids), not the loader's rect order, so score
     ties across images resolve as COCOeval resolves them on val.py's json files. Returns the
     result (every rank) and, on rank 0 only, all detections in that order.
     """
@@ -320,7 +322,7 @@ def main(opt: argparse.Namespace) -> list[ValResult]:
     check_opt(opt)
     device = dist.select_device(opt.device, info=info)
     if device.type == "cpu":
-        tune_malloc()  # large CPU tensors stay mapped between batches (utils/cpu.py)
+        tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     try:

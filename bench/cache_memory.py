@@ -27,10 +27,10 @@ if __name__ == "__main__" and __package__ in (None, ""):
 import cv2
 
 from data.shapes import generate_shapes
-from utils.augment import resize_long_side
-from utils.cli import ArgumentParser, Range
-from utils.imgcache import build_or_open
-from utils.logging import setup_logging
+from utils.data.augment import resize_long_side
+from utils.core.cli import ArgumentParser, Range
+from utils.data.imgcache import build_or_open
+from utils.core.logging import setup_logging
 
 
 def pss_kb(pid: int, only: str | None = None) -> int:

@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from utils.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 # Run by either interpreter: sys.argv = [shim, mode, events.json, ROOT, *tool args]. Records
 # (what, start, end, extra) stamps around the tool's own functions and writes them as JSON.
@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def private_dataset(dst: Path, n_train: int, n_val: int) -> tuple[Path, dict[int, str]]:
     """Copy the built-in shapes dataset (generated on first use) to ``dst``; return its root and names."""
-    from utils.config import load_data_config, prepare_dataset
-    from utils.logging import setup_logging
+    from utils.data.config import load_data_config, prepare_dataset
+    from utils.core.logging import setup_logging
 
     setup_logging(verbose=False)
     data = load_data_config(ROOT / "data" / "shapes.yaml")
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"work dir: {work}", flush=True)
     try:
         hyp_files(work)
-        from utils.config import load_data_config
+        from utils.data.config import load_data_config
 
         names = dict(enumerate(load_data_config(ROOT / "data" / "shapes.yaml").names))
         tools = [t for t in ("ours", "yolov5") if opt.only in (None, t)]

@@ -20,10 +20,11 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from utils.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.config import load_data_config, load_hyp, prepare_dataset  # noqa: E402
-from utils.imgcache import release_ram_caches  # noqa: E402
-from utils.loader import create_dataloader  # noqa: E402
+from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+from utils.core.hyp import load_hyp
+from utils.data.config import load_data_config, prepare_dataset  # noqa: E402
+from utils.data.imgcache import release_ram_caches  # noqa: E402
+from utils.data.loader import create_dataloader  # noqa: E402
 
 
 def loader_rate(data, hyp, imgsz: int, batch: int, workers: int, cache: str | None, batches: int) -> float:
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = build_parser().parse_args()
-    from utils.logging import setup_logging
+    from utils.core.logging import setup_logging
 
     setup_logging(verbose=False)
     data = load_data_config(a.data)

@@ -81,7 +81,7 @@ def format_table(rows: list[Row], tol: float) -> tuple[str, bool]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's (import here: see __main__)."""
-    from utils.cli import IMGSZ, ArgumentParser, Range
+    from utils.core.cli import IMGSZ, ArgumentParser, Range
 
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--imgsz", type=IMGSZ, default=640, help="image side for GFLOPs")

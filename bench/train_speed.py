@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, also under torch
 
 import torch  # noqa: E402
 
-from utils.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 PHASES = ("data", "prep", "forward", "loss", "nan-check", "backward", "optim")
 
@@ -164,7 +164,7 @@ def reference_flops(device: torch.device, seconds: float) -> tuple[float, float]
     CPU: fp32 (what CPU training runs in). CUDA: fp16, since train.py trains with AMP there.
     The conv is a mid-network YOLO layer shape (128 -> 128 channels, 40 x 40, batch 16).
     """
-    from utils import dist
+    from utils.core import dist
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     n = 8192 if device.type == "cuda" else 2048
@@ -203,11 +203,12 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
     """Build the training set-up train.py builds for one model and image size, and time its steps."""
     from models.yolo import Model, de_parallel
     from train import init_seeds, loss_hyp, optimizer_step
-    from utils import dist
-    from utils.config import load_data_config, load_hyp, prepare_dataset
-    from utils.loader import create_dataloader
-    from utils.loss import ComputeLoss
-    from utils.optim import NOMINAL_BATCH, ModelEMA, accumulate_steps, smart_optimizer
+    from utils.core import dist
+    from utils.core.hyp import load_hyp
+    from utils.data.config import load_data_config, prepare_dataset
+    from utils.data.loader import create_dataloader
+    from models.heads.anchor_loss import ComputeLoss
+    from utils.engine.optim import NOMINAL_BATCH, ModelEMA, accumulate_steps, smart_optimizer
 
     with dist.torch_distributed_zero_first(info.local_rank):
         data = load_data_config(opt.data)
@@ -304,7 +305,7 @@ def nan_check(loss_items: torch.Tensor, world: int) -> None:
     Kept here rather than imported because train.py's helper also carries its save clock and its
     name has changed; the communication and the device-to-host read are the same.
     """
-    from utils import dist
+    from utils.core import dist
 
     flags = torch.zeros(world + 1, device=loss_items.device)
     flags[dist.get_rank()] = float(not torch.isfinite(loss_items).all())
@@ -455,21 +456,21 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     opt = parse_args(argv)
     if opt.scaling:
-        from utils.dist import dist_info
+        from utils.core.dist import dist_info
 
         if dist_info().distributed:
             raise SystemExit("--scaling starts its own processes: run it with plain python, not torchrun")
         scaling(opt, argv)
         return
-    from utils import dist
-    from utils.logging import setup_logging
+    from utils.core import dist
+    from utils.core.logging import setup_logging
 
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size, verbose=False)
     dist.set_cpu_threads(info, opt.threads)  # as train.py: ranks x threads <= cores unless --threads
     device = dist.select_device(opt.device, opt.batch_size, info)
     if device.type == "cpu":
-        from utils.cpu import tune_malloc
+        from utils.core.cpu import tune_malloc
 
         tune_malloc()  # as train.py
     dist.init_distributed(info, device)

@@ -13,8 +13,8 @@ call; a name val.py no longer has is reported as n/a instead of failing):
   set-up       end-to-end minus run(): checkpoint, dataset yaml, label cache, loader + workers
   data wait    time run() spent waiting for the next batch (the loader is wrapped)
   pre-process, inference, NMS   val.py's own per-image figures (ValResult.speed_ms)
-  matching     utils.metrics.match_image, per image, inside the loop
-  evaluate     utils.metrics.evaluate, once at the end (COCO accumulation)
+  matching     utils.eval.metrics.match_image, per image, inside the loop
+  evaluate     utils.eval.metrics.evaluate, once at the end (COCO accumulation)
   plots        val.py's plot_images / plot_curves / plot_confusion_matrix (off with --noplots)
   other        the rest of run(): model fuse + copy, the untimed warm-up batch, mapping boxes back
                to original pixels, confusion matrix, gather/broadcast, progress bar
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from utils.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 
 
 class Timers:
@@ -96,8 +96,8 @@ class TimedLoader:
 def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) -> Path:
     """A seeded, untrained model saved as val.py expects a training checkpoint."""
     from models.yolo import Model
-    from utils.checkpoint import fp32_state_dict, save_checkpoint, to_plain
-    from utils.config import load_data_config
+    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint, to_plain
+    from utils.data.config import load_data_config
 
     names = load_data_config(data).names
     torch.manual_seed(seed)
@@ -111,7 +111,7 @@ def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) 
 
 def instrument(val: Any, timers: Timers) -> list[str]:
     """Wrap val.py's names; returns the labels that could not be wrapped."""
-    from utils.loader import create_dataloader
+    from utils.data.loader import create_dataloader
 
     def timed_loader(*args, **kwargs):
         loader, dataset = create_dataloader(*args, **kwargs)

@@ -15,8 +15,8 @@ import yaml
 from torch import nn
 
 from models.blocks import C3, SPPF, Bottleneck, Concat, Conv
-from utils.errors import UserError, did_you_mean
-from utils.logging import LOGGER
+from utils.core.errors import UserError, did_you_mean
+from utils.core.logging import LOGGER
 
 MODELS_DIR = Path(__file__).resolve().parent
 TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "anchors", "backbone", "head", "ch")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from data.shapes import generate_shapes
-from utils.augment import box_candidates, mixup, random_perspective
-from utils.dataset import LoadImagesAndLabels
-from utils.labels import img2label_paths
-from utils.loader import create_dataloader
+from utils.data.augment import box_candidates, mixup, random_perspective
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.labels import img2label_paths
+from utils.data.loader import create_dataloader
 
 # Pure BGR colours: one per class, easy to find again after interpolation.
 COLOURS = np.array([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255)], np.uint8)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from models.yolo import Model, resample_anchors
-from utils import autoanchor
-from utils.autoanchor import (
+from utils.engine import autoanchor
+from utils.engine.autoanchor import (
     AnchorFit,
     anchor_metrics,
     anchors_per_level,
@@ -23,8 +23,8 @@ from utils.autoanchor import (
     model_anchors_px,
     set_anchors,
 )
-from utils.errors import UserError
-from utils.loss import ComputeLoss
+from utils.core.errors import UserError
+from models.heads.anchor_loss import ComputeLoss
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]

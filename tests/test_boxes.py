@@ -1,9 +1,9 @@
-"""utils.boxes NMS: what it keeps, and that a batch on several threads equals each image alone."""
+"""utils.core.boxes NMS: what it keeps, and that a batch on several threads equals each image alone."""
 from __future__ import annotations
 
 import torch
 
-from utils.boxes import non_max_suppression
+from utils.core.boxes import non_max_suppression
 
 
 def _raw(rows: list[list[float]]) -> torch.Tensor:

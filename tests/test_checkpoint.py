@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from utils import checkpoint as ck
-from utils.errors import UserError
+from utils.engine import checkpoint as ck
+from utils.core.errors import UserError
 
 
 def _ckpt(value: float) -> dict:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, run_env
-from utils.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
+from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
 
 BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
          "train_speed", "val_speed")
@@ -33,7 +33,7 @@ def _parser(cli: str) -> argparse.ArgumentParser:
         import val
         return val.build_parser()
     if cli == "coco":
-        from utils import coco
+        from utils.eval import coco
         return coco.build_parser()
     return _bench_parser(cli)
 
@@ -70,7 +70,7 @@ def test_checker_finds_unchecked_numeric_flags():
 @pytest.mark.parametrize("cli", ["train", "val", "coco", *BENCH])
 def test_every_numeric_flag_is_range_checked(cli):
     parser = _parser(cli)
-    assert isinstance(parser, ArgumentParser), f"{cli}: use utils.cli.ArgumentParser for one-line errors"
+    assert isinstance(parser, ArgumentParser), f"{cli}: use utils.core.cli.ArgumentParser for one-line errors"
     assert check_numeric_flags(parser) == [], f"{cli}: numeric flags without a Range type"
     assert check_defaults(parser) == [], f"{cli}: defaults outside their Range"
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from data.shapes import generate_shapes
-from utils import labels as ds_mod
-from utils.augment import augment_hsv, letterbox, random_flip
-from utils.dataset import LoadImagesAndLabels
-from utils.labels import img2label_paths, resolve_image_files
-from utils.errors import UserError
-from utils.loader import InferenceSampler, TrainSampler, create_dataloader
-from utils.logging import LOGGER
+from utils.data import labels as ds_mod
+from utils.data.augment import augment_hsv, letterbox, random_flip
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.labels import img2label_paths, resolve_image_files
+from utils.core.errors import UserError
+from utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
+from utils.core.logging import LOGGER
 
 # No colour change and no geometry (mosaic, translate, scale off): only flips move the boxes.
 NO_COLOUR = SimpleNamespace(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=0.0, translate=0.0,
@@ -461,7 +461,7 @@ def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
 
     from models.yolo import Model
     from tests.conftest import ROOT, run_env
-    from utils.checkpoint import fp32_state_dict, save_checkpoint
+    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint
 
     _tiny_split(tmp_path / "ds", 4, labelled=4, split="val")
     (tmp_path / "ds" / "labels" / "val" / "001.txt").write_text("0 0.5 0.5 0.4 0.4\n3 0.5 0.5 0.4 0.4\n")

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from utils import dist
-from utils.errors import UserError
+from utils.core import dist
+from utils.core.errors import UserError
 from tests.conftest import ROOT, run_env
 
 

@@ -1,4 +1,4 @@
-"""--cache ram|disk (utils/imgcache.py): same pixels as the uncached path, reuse, invalidation,
+"""--cache ram|disk (utils/data/imgcache.py): same pixels as the uncached path, reuse, invalidation,
 cheap pickling, a clear refusal when it does not fit, and one build per node under torchrun."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT, run_env
-from utils import imgcache
-from utils.augment import resize_long_side
-from utils.errors import UserError
+from utils.data import imgcache
+from utils.data.augment import resize_long_side
+from utils.core.errors import UserError
 
 
 def _uncached(f: str, img_size: int, augment: bool):

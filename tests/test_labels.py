@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from utils.dataset import LoadImagesAndLabels
-from utils.errors import UserError
-from utils.labels import (ScanResult, format_summary, img2label_paths, load_or_scan, read_image_bgr,
+from utils.data.dataset import LoadImagesAndLabels
+from utils.core.errors import UserError
+from utils.data.labels import (ScanResult, format_summary, img2label_paths, load_or_scan, read_image_bgr,
                           require_usable, resolve_image_files, scan_labels)
 
 NC = 3

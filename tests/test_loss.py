@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.yolo import Model
-from utils.loss import ComputeLoss, smooth_bce
+from models.heads.anchor_loss import ComputeLoss, smooth_bce
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 IMG = 128  # level 0 is a 16x16 grid, stride 8

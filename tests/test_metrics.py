@@ -1,4 +1,4 @@
-"""utils/metrics.py: COCO-exact mAP (checked against pycocotools), determinism, confusion matrix."""
+"""utils/eval/metrics.py: COCO-exact mAP (checked against pycocotools), determinism, confusion matrix."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,7 @@ import torch
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from utils.metrics import (
+from utils.eval.metrics import (
     ConfusionMatrix,
     DetectionMetrics,
     ImageStats,

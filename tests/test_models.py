@@ -14,7 +14,7 @@ from torch import nn
 
 from models.blocks import Conv
 from models.yolo import Detect, Model, ModelInfo, de_parallel
-from utils.errors import UserError
+from utils.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
-from utils.errors import UserError
+from utils.core.errors import UserError
 
 
 def _digest(root: Path) -> dict[str, str]:

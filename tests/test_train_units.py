@@ -17,7 +17,7 @@ def test_multi_scale_sizes_vary_within_range_on_stride_multiples_and_repeat():
 
 
 def test_loss_gains_scale_with_layers_classes_and_image_size():
-    from utils.config import Hyp
+    from utils.core.hyp import Hyp
     h = train.loss_hyp(Hyp(), nl=3, nc=80, imgsz=640)
     assert (h.box, h.cls, h.obj) == pytest.approx((Hyp().box, Hyp().cls, Hyp().obj))
     h = train.loss_hyp(Hyp(), nl=3, nc=8, imgsz=320)
@@ -26,7 +26,7 @@ def test_loss_gains_scale_with_layers_classes_and_image_size():
 
 def test_resumed_lr_schedule_matches_the_uninterrupted_one():
     """Resuming at epoch s must give every later epoch the LR the uninterrupted run gives it."""
-    from utils.optim import lr_lambda
+    from utils.engine.optim import lr_lambda
 
     def fresh_optimizer():
         return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)

@@ -1,5 +1,5 @@
 """val.py: the same results for any world size, COCO json that pycocotools scores identically,
---save-txt files, --task speed, run folders, and the utils.coco ground-truth export command."""
+--save-txt files, --task speed, run folders, and the utils.eval.coco ground-truth export command."""
 from __future__ import annotations
 
 import contextlib
@@ -44,7 +44,7 @@ def _confident(ckpt_path: Path) -> None:
     with objectness and class scores lifted, its boxes hit some objects, so mAP, P, R and the
     matrix are non-zero and there are hundreds of detections to write and compare.
     """
-    from utils.checkpoint import load_checkpoint, save_checkpoint
+    from utils.engine.checkpoint import load_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(ckpt_path)
     no = ckpt["model_yaml"]["nc"] + 5
@@ -90,7 +90,7 @@ def _read_labels(folder: Path) -> dict[str, list[list[str]]]:
 
 
 def test_world_sizes_give_identical_metrics_and_files(val_runs):
-    from utils.loader import InferenceSampler
+    from utils.data.loader import InferenceSampler
 
     assert [len(InferenceSampler(8, 5, r, 3)) for r in range(3)] == [0, 5, 3]  # an empty rank, uneven shards
     project = val_runs[1][1].parent
@@ -171,7 +171,7 @@ def test_save_txt_rows_are_the_json_boxes_normalised_to_the_original_image(val_r
 
 def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path):
     out = tmp_path / "gt.json"
-    stdout = _ok(_run(["-m", "utils.coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
+    stdout = _ok(_run(["-m", "utils.eval.coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
     gt = json.loads(out.read_text())
     label_rows = sum(len(f.read_text().split("\n")) - 1 for f in (tiny_data.parent / "shapes" / "labels" / "val").glob("*.txt"))
     assert (len(gt["images"]), len(gt["annotations"]), len(gt["categories"])) == (8, label_rows, len(NAMES))
@@ -186,7 +186,7 @@ def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path)
 def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
     data = tmp_path / "bad.yaml"
     data.write_text("train: [images/train\nval: images/val\nnames: [a]\n")
-    p = _run(["-m", "utils.coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
+    p = _run(["-m", "utils.eval.coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
     out = (p.stdout + p.stderr).strip()
     assert p.returncode == 1 and "Traceback" not in out
     assert out.splitlines() == [out] and out.startswith(f"ERROR: {data}: not valid yaml"), out
@@ -196,7 +196,7 @@ def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
 @pytest.fixture
 def restore_logger():
     """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
-    from utils.logging import LOGGER
+    from utils.core.logging import LOGGER
 
     saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
     yield
@@ -207,7 +207,7 @@ def restore_logger():
 
 @pytest.mark.parametrize("case", ["missing", "no_split"])
 def test_coco_export_bad_input_names_the_file(case, tiny_data, tmp_path, capsys, restore_logger):
-    from utils import coco
+    from utils.eval import coco
 
     data, task, expect = tmp_path / "nowhere.yaml", "val", f"ERROR: {tmp_path / 'nowhere.yaml'}: file not found"
     if case == "no_split":
@@ -230,8 +230,8 @@ def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_d
 
 def test_run_folder_rules(tmp_path):
     import val
-    from utils.dist import DistInfo
-    from utils.errors import UserError
+    from utils.core.dist import DistInfo
+    from utils.core.errors import UserError
 
     opt = Namespace(project=str(tmp_path / "runs"), name="exp", exist_ok=False, save_txt=False, save_json=False,
                     noplots=True)
@@ -302,7 +302,7 @@ def _replay_outputs(loader, rng: np.random.Generator, nc: int = 3, per_image: in
 def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_path, one_thread):
     """A detector with mAP far from 0, score ties across images and a rect order unlike id order."""
     import val
-    from utils.loader import create_dataloader
+    from utils.data.loader import create_dataloader
 
     rng = np.random.default_rng(0)
     images = _make_dataset(tmp_path / "ds", rng)

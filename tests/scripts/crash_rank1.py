@@ -8,7 +8,7 @@ import os
 import sys
 
 import train
-from utils import dist
+from utils.core import dist
 
 real_epoch = train.train_one_epoch
 

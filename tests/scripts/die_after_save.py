@@ -8,7 +8,7 @@ import os
 import sys
 
 import train
-from utils import dist
+from utils.core import dist
 
 die_epoch, die_batch = (int(v) for v in sys.argv[2].split(":"))
 real_save = train.save_checkpoint

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from utils import dist
-from utils.imgcache import build_or_open
-from utils.logging import setup_logging
+from utils.core import dist
+from utils.data.imgcache import build_or_open
+from utils.core.logging import setup_logging
 
 files, out = Path(sys.argv[1]).read_text().split(), Path(sys.argv[2])
 info = dist.dist_info()

@@ -9,7 +9,7 @@ import sys
 
 import data.shapes
 import train
-import utils.labels
+import utils.data.labels
 
 log_file = sys.argv[1]
 
@@ -29,6 +29,6 @@ def _wrap(event, fn, describe=lambda *a, **k: {}):
 
 
 data.shapes._swap_in = _wrap("generate", data.shapes._swap_in)  # called only when a dataset was generated
-utils.labels.scan_labels = _wrap("scan", utils.labels.scan_labels, lambda files, *a, **k: {"n": len(files)})
+utils.data.labels.scan_labels = _wrap("scan", utils.data.labels.scan_labels, lambda files, *a, **k: {"n": len(files)})
 train.save_checkpoint = _wrap("save", train.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
 sys.exit(train.cli(sys.argv[2:]))

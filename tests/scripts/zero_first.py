@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from utils import dist
-from utils.errors import UserError
-from utils.logging import setup_logging
+from utils.core import dist
+from utils.core.errors import UserError
+from utils.core.logging import setup_logging
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 info = dist.dist_info()

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.errors import UserError
-from utils.logging import LOGGER
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER
 
 _CPU_GROUP = None  # gloo group for object collectives and long waits (set by init_distributed)
 LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets

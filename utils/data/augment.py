@@ -7,7 +7,7 @@ of values whether or not it fires, so changing one gain does not reshuffle the o
 
 Random perspective and mixup work on pixel xyxy labels [cls, x1, y1, x2, y2], as
 ``LoadImagesAndLabels`` holds them before normalising; the mosaic itself is assembled in
-utils/dataset.py (it needs the dataset to load its other three images).
+utils/data/dataset.py (it needs the dataset to load its other three images).
 """
 from __future__ import annotations
 

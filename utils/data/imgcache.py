@@ -33,9 +33,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from utils.errors import UserError
-from utils.fileio import atomic_write
-from utils.logging import LOGGER
+from utils.core.errors import UserError
+from utils.core.fileio import atomic_write
+from utils.core.logging import LOGGER
 
 CACHE_VERSION = 1
 MODES = ("ram", "disk")
@@ -47,7 +47,7 @@ ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
 
 def _default_resize() -> ResizeFn:
     """The dataset's own resize, imported late so this module never drifts from load_image."""
-    from utils.augment import resize_long_side
+    from utils.data.augment import resize_long_side
 
     return resize_long_side
 
@@ -76,7 +76,7 @@ def header_shapes(im_files: Sequence[str]) -> np.ndarray:
 
 def images_hash(im_files: Sequence[str], img_size: int, augment: bool) -> str:
     """sha256 over the cache version, img_size, resize mode and every image's path, size and mtime_ns."""
-    from utils.labels import files_hash
+    from utils.data.labels import files_hash
 
     return files_hash(f"yolotrain-imgcache v{CACHE_VERSION} {img_size} augment={bool(augment)}", im_files)
 
@@ -126,7 +126,7 @@ def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, pat
     else next to the label cache (``labels/<split>.cache.npz`` -> ``labels/<split>.<hash>.imgcache.npy``),
     else ~/.cache/yolotrain when that folder is read-only.
     """
-    from utils.labels import img2label_paths
+    from utils.data.labels import img2label_paths
 
     split = Path(im_files[0]).parent.name or "images"
     if mode == "ram":
@@ -138,7 +138,7 @@ def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, pat
     folder, split, fallback = labels_dir.parent, labels_dir.name, Path.home() / ".cache" / "yolotrain" / "x"
     if path is not None:
         try:
-            from utils.labels import cache_paths
+            from utils.data.labels import cache_paths
 
             primary, fallback = cache_paths(path, label_files, None)
             folder, split = primary.parent, primary.name.split(".")[0] or split
@@ -200,7 +200,7 @@ class ImageCache:
             self._open()
         off, h, w, h0, w0 = (int(v) for v in self._index[i])  # type: ignore[index]
         if off < 0:  # not cacheable at build time (size disagreed with its header): the uncached path
-            from utils.labels import read_image_bgr
+            from utils.data.labels import read_image_bgr
 
             img = read_image_bgr(self._file(i))  # raises a UserError naming the file
             return self._resize(img), img.shape[:2]
@@ -323,7 +323,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
     ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
     label cache. Must be called by every rank, with the same ``im_files`` in the same order.
     """
-    from utils.dist import torch_distributed_zero_first
+    from utils.core.dist import torch_distributed_zero_first
 
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
@@ -364,7 +364,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
 def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
     """Delete /dev/shm caches once every rank is done (mapped copies stay valid until exit), so
     RAM is not held after the run, as with YOLOv5's in-process cache. Disk caches are kept."""
-    from utils.dist import barrier
+    from utils.core.dist import barrier
 
     barrier()
     if local_rank == 0:
@@ -375,7 +375,7 @@ def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
 
 def _read(path: str) -> np.ndarray | None:
     """The loader's decoder (EXIF, alpha, 16-bit, CMYK, truncated JPEGs), None when unreadable."""
-    from utils.labels import read_image_bgr
+    from utils.data.labels import read_image_bgr
 
     try:
         return read_image_bgr(path)

@@ -11,7 +11,7 @@ ground truth written here, and gets val.py's mAP: both files use the same ids.
 - numbers: the shortest decimal that reads back as the same float32, i.e. the precision the
   model computed and no noise digits; scores keep their exact order.
 
-    python -m utils.coco --data data/shapes.yaml --task val --out gt.json
+    python -m utils.eval.coco --data data/shapes.yaml --task val --out gt.json
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from utils.cli import ArgumentParser
-from utils.errors import UserError, run_entry_point
-from utils.fileio import atomic_write
+from utils.core.cli import ArgumentParser
+from utils.core.errors import UserError, run_entry_point
+from utils.core.fileio import atomic_write
 
 
 def image_ids(im_files: Sequence[str]) -> dict[str, int]:
@@ -109,7 +109,7 @@ def dataset_ground_truth(dataset: Any, names: Sequence[str]) -> dict[str, Any]:
 
 
 def write_json(obj: Any, path: str | Path) -> None:
-    """Write json atomically (utils.fileio), so a reader never sees half a file."""
+    """Write json atomically (utils.core.fileio), so a reader never sees half a file."""
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
 
@@ -117,8 +117,8 @@ def write_json(obj: Any, path: str | Path) -> None:
 def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: bool = False,
                  cache_dir: str | Path | None = None) -> dict[str, Any]:
     """Scan one split of a data yaml (generating a built-in dataset if needed) and write its COCO GT."""
-    from utils.config import load_data_config, prepare_dataset
-    from utils.dataset import LoadImagesAndLabels
+    from utils.data.config import load_data_config, prepare_dataset
+    from utils.data.dataset import LoadImagesAndLabels
 
     data = load_data_config(data_file)
     split = getattr(data, task)
@@ -139,7 +139,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The export CLI (no numeric flags today; utils/cli gives it the one-line errors of the others)."""
-    p = ArgumentParser(prog="python -m utils.coco", description="Export a YOLO-format split's ground truth "
+    p = ArgumentParser(prog="python -m utils.eval.coco", description="Export a YOLO-format split's ground truth "
                        "as COCO json (ids match val.py --save-json)")
     p.add_argument("--data", required=True, help="dataset yaml")
     p.add_argument("--task", default="val", choices=("train", "val", "test"), help="which split")
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(opt: argparse.Namespace) -> None:
-    from utils.logging import LOGGER, setup_logging
+    from utils.core.logging import LOGGER, setup_logging
 
     setup_logging()
     gt = export_split(opt.data, opt.task, opt.out, opt.single_cls, opt.cache_dir)

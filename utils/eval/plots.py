@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from utils.logging import LOGGER
-from utils.metrics import Curves, DetectionMetrics
+from utils.core.logging import LOGGER
+from utils.eval.metrics import Curves, DetectionMetrics
 
 MAX_LEGEND_CLASSES = 21  # per-class legend entries beyond this are unreadable
 MAX_ANNOTATED_CLASSES = 30  # confusion-matrix cells get numbers below this class count

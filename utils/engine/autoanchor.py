@@ -1,6 +1,6 @@
 """AutoAnchor: check the model's anchors against the dataset's boxes and re-fit them if poor.
 
-The algorithm follows YOLOv5's ``utils/autoanchor.py``: a target can only be learned by an anchor
+The algorithm follows YOLOv5's ``utils/engine/autoanchor.py``: a target can only be learned by an anchor
 whose width and height are both within a factor ``thr`` (``hyp.anchor_t``) of the target's, which
 is exactly the rule ``ComputeLoss.build_targets`` applies. The share of labels that at least one
 anchor covers is the best possible recall (BPR). If it is below 0.98, k-means on the label sizes
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from models.yolo import check_anchor_order, de_parallel
-from utils.errors import UserError
-from utils.logging import LOGGER, colorstr
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER, colorstr
 
 PREFIX = "AutoAnchor: "
 BPR_GOOD = 0.98  # below this share of coverable labels, anchors are re-fitted (YOLOv5's threshold)

@@ -1,6 +1,6 @@
 """The training/validation Dataset: loads an image, letterboxes it and applies augmentation.
 
-Finding and verifying files and the label cache live in utils/labels.py. Every random draw for a
+Finding and verifying files and the label cache live in utils/data/labels.py. Every random draw for a
 sample comes from ``np.random.default_rng([seed, epoch, index])``, so a batch's content does not
 depend on worker count, world size or resume.
 """
@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
-from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.labels import (_describe, check_label_presence, format_summary, img2label_paths, load_or_scan,
+from utils.data.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
+from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
+from utils.data.labels import (_describe, check_label_presence, format_summary, img2label_paths, load_or_scan,
                           read_image_bgr, report_messages, require_usable, resolve_image_files,
                           write_problem_report)
-from utils.logging import LOGGER
+from utils.core.logging import LOGGER
 
 HYP_DEFAULTS = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "fliplr": 0.5, "flipud": 0.0, "degrees": 0.0,
                 "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0, "mosaic": 1.0, "mixup": 0.0}
@@ -73,7 +73,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         # close_mosaic: from this epoch on, no mosaic (set by train.py from hyp.close_mosaic). The
         # epoch travels with each (epoch, index), so persistent workers need no notification.
         self.mosaic_off_from_epoch: int | None = None
-        self.imgcache = None  # utils.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
+        self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
         if rect:
             self._set_rect_shapes(batch_size)
 

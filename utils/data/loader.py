@@ -15,11 +15,11 @@ import cv2
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from utils.dataset import LoadImagesAndLabels
-from utils.imgcache import build_or_open
-from utils.dist import dist_info, torch_distributed_zero_first
-from utils.errors import UserError
-from utils.logging import LOGGER
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.imgcache import build_or_open
+from utils.core.dist import dist_info, torch_distributed_zero_first
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER
 
 
 class Batch(NamedTuple):

@@ -25,7 +25,7 @@ def run_entry_point(main: Callable[[], object]) -> int:
 
     Every rank runs this, so each one exits non-zero with the reason instead of hanging.
     """
-    from utils.logging import LOGGER
+    from utils.core.logging import LOGGER
 
     try:
         main()

@@ -1,4 +1,6 @@
-"""Atomic file writes: the one way this project replaces a file readers may be looking at.
+"""File IO: the repository root, safe yaml reading, and atomic writes.
+
+Atomic writes are the one way this project replaces a file readers may be looking at.
 
 A kill at any moment leaves either the previous file or the new one, never a torn file: the
 data goes to a temp file in the same folder, is fsynced, renamed over the target, and the
@@ -11,6 +13,12 @@ import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
+
+import yaml
+
+from utils.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: default data, hyp and run folders live here
 
 
 @contextmanager
@@ -40,3 +48,24 @@ def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """safe_load a yaml mapping; UserError naming the file when it is missing, broken or not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        raise UserError(f"{path}: not valid yaml{at}: {getattr(e, 'problem', e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot be read: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data

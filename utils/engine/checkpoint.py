@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.errors import UserError
-from utils.fileio import atomic_write
+from utils.core.errors import UserError
+from utils.core.fileio import atomic_write
 
 FORMAT_VERSION = 1
 
@@ -83,7 +83,7 @@ def now_iso() -> str:
 
 
 def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
-    """Write atomically (utils.fileio): a kill at any moment leaves the previous file or the new one."""
+    """Write atomically (utils.core.fileio): a kill at any moment leaves the previous file or the new one."""
     with atomic_write(path) as f:
         torch.save(ckpt, f)
 

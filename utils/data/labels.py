@@ -25,10 +25,10 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from utils.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.errors import UserError
-from utils.fileio import atomic_write
-from utils.logging import LOGGER
+from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
+from utils.core.errors import UserError
+from utils.core.fileio import atomic_write
+from utils.core.logging import LOGGER
 
 IMG_SUFFIXES = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp")
 IMG_FORMATS = {"bmp", "jpeg", "mpo", "png", "tiff", "webp"}  # what PIL reports for those suffixes
@@ -624,7 +624,7 @@ def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -
 
 
 def save_cache(file: Path, result: ScanResult, hash_: str) -> None:
-    """Write arrays + JSON metadata atomically (utils.fileio)."""
+    """Write arrays + JSON metadata atomically (utils.core.fileio)."""
     lens = [len(x) for x in result.labels]
     labels = np.concatenate(result.labels).astype(np.float32) if sum(lens) else np.zeros((0, 5), np.float32)
     meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": result.img_files,

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.logging import LOGGER
+from utils.core.logging import LOGGER
 
 NOMINAL_BATCH = 64  # weight decay and accumulation are expressed for this global batch size
 
