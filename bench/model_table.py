@@ -54,7 +54,8 @@ def measure(size: str, nc: int, imgsz: int) -> Row:
     """Build, fuse and measure one model (imports here: the repo root is on sys.path by now)."""
     import torch
 
-    from models.yolo import MODELS_DIR, Model
+    from models.parse import MODELS_DIR
+    from models.yolo import Model
 
     t0 = time.perf_counter()
     torch.manual_seed(0)

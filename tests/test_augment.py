@@ -2,9 +2,9 @@
 (seed, epoch, index), whatever the order, worker count, world size or resume point."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import cv2
 import numpy as np
@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from data.shapes import generate_shapes
+from utils.core.dist import DistInfo
+from utils.core.hyp import Hyp
 from utils.data.augment import box_candidates, mixup, random_perspective
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import img2label_paths
@@ -19,10 +21,10 @@ from utils.data.loader import create_dataloader
 
 # Pure BGR colours: one per class, easy to find again after interpolation.
 COLOURS = np.array([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255)], np.uint8)
-FULL = SimpleNamespace(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0, mixup=0.5,
-                       degrees=10.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0)
-GEOMETRY_ONLY = SimpleNamespace(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.0, flipud=0.0, mosaic=1.0, mixup=0.0,
-                                degrees=0.0, translate=0.1, scale=0.3, shear=0.0, perspective=0.0)
+FULL = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0, mixup=0.5,
+           degrees=10.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0)
+GEOMETRY_ONLY = Hyp(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.0, flipud=0.0, mosaic=1.0, mixup=0.0,
+                    degrees=0.0, translate=0.1, scale=0.3, shear=0.0, perspective=0.0)
 
 
 def _mask(img_bgr: np.ndarray, colour: np.ndarray) -> np.ndarray:
@@ -127,13 +129,13 @@ def test_mixup():
 def test_labels_on_pixels_mosaic_and_plain(colour_root, mosaic):
     """Mosaic (4 tiles + perspective) and the plain path (letterbox + perspective) keep boxes on their objects."""
     s = 128
-    hyp = SimpleNamespace(**{**vars(GEOMETRY_ONLY), "mosaic": mosaic})
+    hyp = dataclasses.replace(GEOMETRY_ONLY, mosaic=mosaic)
     data = LoadImagesAndLabels(colour_root, img_size=s, augment=True, hyp=hyp, nc=6, verbose=False)
     multi = 0
     for epoch in range(3):
         for i in range(len(data)):
-            img, labels, _, shapes, index = data[(epoch, i)]
-            assert img.shape == (3, s, s) and index == i and (shapes is None) == bool(mosaic)
+            img, labels, _, placed, index = data[(epoch, i)]
+            assert img.shape == (3, s, s) and index == i and (placed is None) == bool(mosaic)
             assert ((labels[:, 2:] >= 0) & (labels[:, 2:] <= 1)).all()
             bgr, boxes = _hwc_bgr(img), _xyxy(labels, s, s)
             assert (boxes >= -1e-3).all() and (boxes <= s + 1e-3).all()
@@ -156,14 +158,14 @@ def test_rect_training_has_no_mosaic(shapes_train):
     data = LoadImagesAndLabels(shapes_train, img_size=96, batch_size=4, augment=True, hyp=FULL, rect=True, nc=6,
                                verbose=False)
     for i in range(len(data)):
-        img, _, _, shapes, _ = data[(1, i)]
-        assert shapes is not None and tuple(img.shape[1:]) == tuple(data.batch_shapes[data.batch_index[i]])
+        img, _, _, placed, _ = data[(1, i)]
+        assert placed is not None and tuple(img.shape[1:]) == tuple(data.batch_shapes[data.batch_index[i]])
 
 
 def test_close_mosaic(shapes_train):
     data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=4, verbose=False)
-    plain = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=SimpleNamespace(**{**vars(FULL),
-                                "mosaic": 0.0}), nc=6, seed=4, verbose=False)
+    plain = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mosaic=0.0),
+                                nc=6, seed=4, verbose=False)
     data.mosaic_off_from_epoch = 2
     for i in range(0, len(data), 3):
         assert data[(1, i)][3] is None  # still mosaic before the switch
@@ -190,8 +192,8 @@ def test_same_sample_whatever_the_order(shapes_train):
 
 
 def test_global_rngs_untouched(shapes_train):
-    data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=SimpleNamespace(**{**vars(FULL),
-                               "mixup": 1.0, "perspective": 0.0005}), nc=6, verbose=False)
+    data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mixup=1.0,
+                               perspective=0.0005), nc=6, verbose=False)
     np_state, py_state, torch_state = np.random.get_state(), random.getstate(), torch.get_rng_state()
     for i in range(4):
         data[(i, i)]
@@ -200,13 +202,13 @@ def test_global_rngs_untouched(shapes_train):
     assert random.getstate() == py_state and torch.equal(torch.get_rng_state(), torch_state)
 
 
-MIX = SimpleNamespace(**{**vars(FULL), "mixup": 1.0})
+MIX = dataclasses.replace(FULL, mixup=1.0)
 
 
 def _loader(root: Path, workers: int, rank: int = 0, world_size: int = 1):
-    loader, _ = create_dataloader(root, 96, 4, 32, hyp=MIX, augment=True, shuffle=True, rank=rank,
-                                  world_size=world_size, workers=workers, seed=5, nc=6)
-    return loader
+    info = DistInfo(rank=rank, world_size=world_size, local_world_size=world_size)
+    return create_dataloader(root, 96, 4, 32, hyp=MIX, augment=True, shuffle=True, info=info, workers=workers,
+                             seed=5, nc=6)
 
 
 def _epoch(loader, epoch: int) -> list:

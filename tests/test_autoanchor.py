@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.yolo import Model, resample_anchors
+from models.heads.anchor import resample_anchors
+from models.yolo import Model
 from utils.engine import autoanchor
 from utils.engine.autoanchor import (
     AnchorFit,
@@ -47,13 +48,13 @@ def model(base_model: Model) -> Model:
 
 
 def fake_dataset(kind: str, n_img: int = 200, seed: int = 0) -> types.SimpleNamespace:
-    """LoadImagesAndLabels stand-in: normalised labels and (w, h) shapes of 640x480 / 480x640 images.
+    """LoadImagesAndLabels stand-in: normalised labels and (h, w) image_hw of 640x480 / 480x640 images.
 
     coco: sizes log-uniform 16-400 px, aspect ratios around 1 (COCO anchors cover these).
     elongated: 12:1 and 1:12 boxes, long side 200-600 px (far outside COCO anchors' reach).
     """
     rng = np.random.default_rng(seed)
-    labels, shapes = [], []
+    labels, image_hw = [], []
     for i in range(n_img):
         w, h = (640, 480) if i % 2 else (480, 640)
         m = 6
@@ -68,8 +69,8 @@ def fake_dataset(kind: str, n_img: int = 200, seed: int = 0) -> types.SimpleName
         bw, bh = np.minimum(bw, 0.99 * w), np.minimum(bh, 0.99 * h)
         cls = rng.integers(0, 3, m)
         labels.append(np.c_[cls, np.full(m, 0.5), np.full(m, 0.5), bw / w, bh / h].astype(np.float32))
-        shapes.append((w, h))
-    return types.SimpleNamespace(labels=labels, shapes=np.array(shapes, dtype=np.int32), img_size=640)
+        image_hw.append((h, w))
+    return types.SimpleNamespace(labels=labels, image_hw=np.array(image_hw, dtype=np.int32), img_size=640)
 
 
 def make_hyp(**kw: float) -> types.SimpleNamespace:
@@ -88,7 +89,7 @@ def test_label_wh_scales_long_side_and_drops_tiny_boxes(caplog):
             np.array([[0, 0.5, 0.5, 0.5, 0.5], [1, 0.5, 0.5, 0.001, 0.001], [0, 0.5, 0.5, 0.004, 0.001]], np.float32),
             np.array([[2, 0.5, 0.5, 0.25, 1.0]], np.float32),
         ],
-        shapes=np.array([[1000, 500], [320, 640]]),
+        image_hw=np.array([[500, 1000], [640, 320]]),
     )
     with caplog.at_level(logging.WARNING, logger="yolotrain"):
         wh = label_wh(ds, 640)
@@ -191,7 +192,7 @@ def test_forward_and_loss_use_new_anchors(model: Model):
     img = 256
     # targets (image, cls, xc, yc, w, h) normalised to a square img x img input
     rows = []
-    for i, (lb, (w, h)) in enumerate(zip(ds.labels, ds.shapes)):
+    for i, (lb, (h, w)) in enumerate(zip(ds.labels, ds.image_hw)):
         s = img / max(w, h)
         for c, _, _, bw, bh in lb:
             rows.append([i % 2, c, 0.5, 0.5, bw * w * s / img, bh * h * s / img])
@@ -257,7 +258,7 @@ def test_set_anchors_updates_explicit_detect_row_anchors(base_model: Model):
 
 def test_no_labels_keeps_anchors_with_a_warning(model: Model, caplog):
     before = model.detect.anchors.clone()
-    ds = types.SimpleNamespace(labels=[np.zeros((0, 5), np.float32)] * 3, shapes=np.array([[640, 480]] * 3))
+    ds = types.SimpleNamespace(labels=[np.zeros((0, 5), np.float32)] * 3, image_hw=np.array([[480, 640]] * 3))
     with caplog.at_level(logging.WARNING, logger="yolotrain"):
         res = check_anchors(ds, model)
     assert not res.replaced and math.isnan(res.bpr_before)
@@ -331,7 +332,7 @@ def test_hyp_anchors_without_autoanchor_is_refused():
 def test_forced_fit_with_no_labels_keeps_the_placeholders(caplog):
     model = Model(MODELS / "yolov5n.yaml", nc=3, na=2)
     before = model.detect.anchors.clone()
-    ds = types.SimpleNamespace(labels=[np.zeros((0, 5), np.float32)] * 2, shapes=np.array([[640, 480]] * 2))
+    ds = types.SimpleNamespace(labels=[np.zeros((0, 5), np.float32)] * 2, image_hw=np.array([[480, 640]] * 2))
     with caplog.at_level(logging.WARNING, logger="yolotrain"):
         res = check_anchors(ds, model, force=True)
     assert not res.replaced and torch.equal(model.detect.anchors, before)

@@ -7,8 +7,14 @@ from utils.core.boxes import non_max_suppression
 
 
 def _raw(rows: list[list[float]]) -> torch.Tensor:
-    """Raw Detect rows [xc, yc, w, h, obj, cls0, cls1] of one image -> (1, n, 7)."""
-    return torch.tensor(rows, dtype=torch.float32)[None]
+    """Anchor-head rows [xc, yc, w, h, obj, cls0, cls1] of one image, decoded as the head does it:
+    (1, n, 6) of box and obj x class scores (models/heads/anchor.py)."""
+    return _decoded(torch.tensor(rows, dtype=torch.float32)[None])
+
+
+def _decoded(t: torch.Tensor) -> torch.Tensor:
+    """[..., xywh, obj, classes] -> [..., xywh, obj * classes], the heads' common output form."""
+    return torch.cat((t[..., :4], t[..., 5:] * t[..., 4:5]), -1)
 
 
 def test_overlapping_boxes_of_one_class_keep_the_most_confident_and_other_classes_survive():
@@ -46,6 +52,7 @@ def test_a_batch_on_threads_equals_each_image_alone_on_one_thread():
     pred = torch.cat((xy, wh, conf), 2)
     pred[2, :, 4] = 0  # an image without candidates
     pred[3, :400, 4:] = 0.5  # ties in score
+    pred = _decoded(pred)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(threads, 2))
@@ -66,7 +73,7 @@ def test_nms_leaves_no_threads_behind():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        pred = torch.cat((torch.rand(4, 500, 4) * 100, torch.rand(4, 500, 3)), 2)
+        pred = _decoded(torch.cat((torch.rand(4, 500, 4) * 100, torch.rand(4, 500, 3)), 2))
         non_max_suppression(pred, 0.001, 0.6, multi_label=True)
     finally:
         torch.set_num_threads(threads)

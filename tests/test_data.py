@@ -5,7 +5,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import cv2
 import numpy as np
@@ -13,17 +12,18 @@ import pytest
 import torch
 
 from data.shapes import generate_shapes
-from utils.data import labels as ds_mod
+from utils.core.dist import DistInfo
+from utils.core.errors import UserError
+from utils.core.hyp import Hyp
+from utils.core.logging import LOGGER
+from utils.data import labelcache
 from utils.data.augment import augment_hsv, letterbox, random_flip
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import img2label_paths, resolve_image_files
-from utils.core.errors import UserError
 from utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
-from utils.core.logging import LOGGER
 
 # No colour change and no geometry (mosaic, translate, scale off): only flips move the boxes.
-NO_COLOUR = SimpleNamespace(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=0.0, translate=0.0,
-                           scale=0.0)
+NO_COLOUR = Hyp(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=0.0, translate=0.0, scale=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +123,14 @@ def test_labels_land_on_pixels(tmp_path, rect, augment):
                                hyp=NO_COLOUR, rect=rect, nc=1)
     for i in range(len(data)):
         for epoch in range(3 if augment else 1):
-            img, labels, path, shapes, index = data[(epoch, i)]
+            img, labels, path, placed, index = data[(epoch, i)]
             assert img.dtype == torch.uint8 and img.shape[0] == 3 and index == i
             h, w = img.shape[1:]
             assert (h, w) == ((128, 128) if not rect else tuple(data.batch_shapes[data.batch_index[i]]))
             xc, yc, bw, bh = labels[0, 2:].numpy()
             got = np.array([(xc - bw / 2) * w, (yc - bh / 2) * h, (xc + bw / 2) * w, (yc + bh / 2) * h])
             assert np.abs(got - _white_bbox(img)).max() <= 1.5, (path, epoch)
-            (h0, w0), ((gh, gw), (pw, ph)) = shapes
+            (h0, w0), (gh, gw) = placed.orig_hw, placed.gain_hw
             assert cv2.imread(path).shape[:2] == (h0, w0) and gh == pytest.approx(gw, rel=0.03)
 
 
@@ -156,11 +156,11 @@ def test_flip_and_hsv_use_only_given_rng():
 # ---------------------------------------------------------------- dataset
 def test_dataset_contents(shapes_root):
     data = LoadImagesAndLabels(shapes_root / "images" / "train", img_size=320, nc=6)
-    assert len(data) == 24 and data.shapes.shape == (24, 2) and len(data.labels) == 24
+    assert len(data) == 24 and data.image_hw.shape == (24, 2) and len(data.labels) == 24
     assert data.counts["images"] == 24 and data.counts["corrupt"] == 0
     for i in (0, 5):
         h, w = cv2.imread(data.im_files[i]).shape[:2]
-        assert tuple(data.shapes[i]) == (w, h)
+        assert tuple(data.image_hw[i]) == (h, w)
         img, labels, *_ = data[i]
         assert img.shape == (3, 320, 320) and labels.shape[1] == 6
         assert (labels[:, 2:] >= 0).all() and (labels[:, 2:] <= 1).all()
@@ -169,9 +169,9 @@ def test_dataset_contents(shapes_root):
 
 
 def test_rect_batches_share_shape(shapes_root):
-    loader, data = create_dataloader(shapes_root / "images" / "train", 320, 5, 32, rect=True, pad=0.5,
-                                     nc=6, workers=0)
-    ar = data.shapes[:, 1] / data.shapes[:, 0]
+    loader = create_dataloader(shapes_root / "images" / "train", 320, 5, 32, rect=True, pad=0.5, nc=6, workers=0)
+    data = loader.dataset
+    ar = data.image_hw[:, 0] / data.image_hw[:, 1]
     assert (np.diff(ar) >= 0).all()
     seen = []
     for batch in loader:
@@ -184,8 +184,9 @@ def test_rect_training_two_ranks_stack(shapes_root):
     """Interleaved training shards with rect: every local batch shares one shape."""
     seen = []
     for rank in (0, 1):
-        loader, _ = create_dataloader(shapes_root / "images" / "train", 320, 5, 32, rect=True, augment=True,
-                                      shuffle=True, rank=rank, world_size=2, nc=6, workers=0)
+        loader = create_dataloader(shapes_root / "images" / "train", 320, 5, 32, rect=True, augment=True,
+                                   shuffle=True, info=DistInfo(rank=rank, world_size=2, local_world_size=2),
+                                   nc=6, workers=0)
         seen += [i for b in loader for i in b.indices.tolist()]
     assert sorted(seen) == list(range(24))
 
@@ -193,9 +194,9 @@ def test_rect_training_two_ranks_stack(shapes_root):
 def test_workers_do_not_change_batches(shapes_root):
     batches = {}
     for workers in (0, 2):
-        loader, _ = create_dataloader(shapes_root / "images" / "train", 160, 8, 32, augment=True, shuffle=True,
-                                      hyp=SimpleNamespace(hsv_h=0.1, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.5),
-                                      nc=6, workers=workers, seed=3)
+        loader = create_dataloader(shapes_root / "images" / "train", 160, 8, 32, augment=True, shuffle=True,
+                                   hyp=Hyp(hsv_h=0.1, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.5),
+                                   nc=6, workers=workers, seed=3)
         assert loader.num_workers == min(workers, os.cpu_count() or 1)
         loader.sampler.set_epoch(1)
         batches[workers] = list(loader)
@@ -299,21 +300,21 @@ def test_corrupt_cache_file_rebuilt(copy_root, logs):
 
 
 def test_cache_fallback_when_primary_unwritable(copy_root, tmp_path, logs, monkeypatch):
-    real_save = ds_mod.save_cache
+    real_save = labelcache.save_cache
 
     def refuse_primary(file, *args):
         if file.parent == copy_root / "labels":
             raise PermissionError(13, "Permission denied")
         return real_save(file, *args)
 
-    monkeypatch.setattr(ds_mod, "save_cache", refuse_primary)
+    monkeypatch.setattr(labelcache, "save_cache", refuse_primary)
     cache_dir = tmp_path / "fallback"
     train = copy_root / "images" / "train"
     assert not LoadImagesAndLabels(train, img_size=320, nc=6, cache_dir=cache_dir).cache_hit
     assert len(list(cache_dir.glob("*.cache.npz"))) == 1
     assert sum("label cache saved to" in m for m in logs) == 1
     assert LoadImagesAndLabels(train, img_size=320, nc=6, cache_dir=cache_dir).cache_hit
-    monkeypatch.setattr(ds_mod, "save_cache", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    monkeypatch.setattr(labelcache, "save_cache", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only")))
     assert not LoadImagesAndLabels(train, img_size=320, nc=7, cache_dir=cache_dir).cache_hit
     assert any("continuing without a cache" in m for m in logs)
 
@@ -383,8 +384,8 @@ def _warnings(logs: list[str], text: str) -> list[str]:
 
 def test_val_split_without_labels_warns_once_at_scan(tmp_path, logs):
     imgs = _tiny_split(tmp_path / "ds", 3, labelled=3, labels="Labels", split="val")
-    loader, data = create_dataloader(imgs, 64, 2, 32, nc=1, workers=0)  # evaluation loader: a warning
-    assert len(data) == 3
+    loader = create_dataloader(imgs, 64, 2, 32, nc=1, workers=0)  # evaluation loader: a warning
+    assert len(loader.dataset) == 3
     hits = _warnings(logs, "no label file found for any of its 3 images")
     assert len(hits) == 1, logs
     assert f"Looked for label files in {tmp_path / 'ds' / 'labels' / 'val'}/" in hits[0]

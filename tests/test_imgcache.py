@@ -103,16 +103,16 @@ def test_pickle_is_tiny_and_reads_the_same(images, shm):
 
 
 def test_shapes_from_the_label_scan_are_used(images, shm, monkeypatch):
-    shapes = np.array([cv2.imread(f).shape[1::-1] for f in images])
-    monkeypatch.setattr(imgcache, "header_shapes", lambda files: pytest.fail("re-read headers"))
-    cache = imgcache.build_or_open(images, 64, False, "ram", shapes=shapes)
+    image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
+    monkeypatch.setattr(imgcache, "header_hw", lambda files: pytest.fail("re-read headers"))
+    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
     assert np.array_equal(cache.get(5)[0], _uncached(images[5], 64, False)[0])
 
 
 def test_wrong_header_size_falls_back_to_disk(images, shm):
-    shapes = np.array([cv2.imread(f).shape[1::-1] for f in images])
-    shapes[1] = (10, 10)  # a lying header: this image is read from disk instead
-    cache = imgcache.build_or_open(images, 64, False, "ram", shapes=shapes)
+    image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
+    image_hw[1] = (10, 10)  # a lying header: this image is read from disk instead
+    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
     assert cache.meta["uncached"] == 1
     for i, f in enumerate(images):
         assert np.array_equal(cache.get(i)[0], _uncached(f, 64, False)[0])

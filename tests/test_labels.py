@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from utils.data.dataset import LoadImagesAndLabels
 from utils.core.errors import UserError
-from utils.data.labels import (ScanResult, format_summary, img2label_paths, load_or_scan, read_image_bgr,
-                          require_usable, resolve_image_files, scan_labels)
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.images import read_image_bgr
+from utils.data.labelcache import load_or_scan
+from utils.data.labels import (ScanResult, format_summary, img2label_paths, require_usable, resolve_image_files,
+                               scan_labels)
 
 NC = 3
 GOOD_ROW = "0 0.5 0.5 0.4 0.4\n"
@@ -148,8 +150,8 @@ def test_broken_corpus_reasons_counts_and_survivors(corpus):
     # every good image survives, with its upright size and labels
     good = set(p) - {"trunc_bad.jpg", "zero.jpg", "text.jpg", "tiny.png"}
     assert sorted(result.img_files) == sorted(str(p[n]) for n in good)
-    size = {Path(f).name: tuple(s) for f, s in zip(result.img_files, result.shapes.tolist())}
-    assert size["exif6.jpg"] == (20, 40) and size["good.jpg"] == (48, 32) and size["rgba.png"] == (40, 30)
+    size = {Path(f).name: tuple(hw) for f, hw in zip(result.img_files, result.image_hw.tolist())}
+    assert size["exif6.jpg"] == (40, 20) and size["good.jpg"] == (32, 48) and size["rgba.png"] == (30, 40)
     c = result.counts
     assert (c["found"], c["missing"], c["empty"], c["corrupt"]) == (10, 1, 2, 4)
     assert (c["duplicates"], c["dropped"], c["clipped"]) == (1, 10, 1)
@@ -179,7 +181,7 @@ def test_scan_is_the_same_serial_and_parallel(corpus):
     a = scan_labels(imgs, img2label_paths(imgs), NC, num_workers=1)
     b = scan_labels(imgs, img2label_paths(imgs), NC, num_workers=4)
     assert a.img_files == b.img_files and a.msgs == b.msgs and a.counts == b.counts
-    assert np.array_equal(a.shapes, b.shapes)
+    assert np.array_equal(a.image_hw, b.image_hw)
 
 
 def test_read_image_bgr_every_mode(corpus):

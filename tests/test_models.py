@@ -13,7 +13,8 @@ import yaml
 from torch import nn
 
 from models.blocks import Conv
-from models.yolo import Detect, Model, ModelInfo, de_parallel
+from models.heads.anchor import Detect
+from models.yolo import Model, ModelInfo, de_parallel
 from utils.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

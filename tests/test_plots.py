@@ -92,7 +92,7 @@ def test_plot_images_and_labels_on_a_real_batch(tiny_data, tmp_path):
 
     data = load_data_config(tiny_data)
     prepare_dataset(data)
-    loader, dataset = create_dataloader(data.train, 96, 6, 32, augment=True, workers=0, shuffle=True, nc=6)
+    loader = create_dataloader(data.train, 96, 6, 32, augment=True, workers=0, shuffle=True, nc=6)
     batch = next(iter(loader))
     img = _read(plots.plot_images(batch.images, batch.targets, batch.paths, data.names, tmp_path / "train_batch0.jpg"))
     assert min(img.shape[:2]) >= 256 * 2  # 6 images -> 3 x 2 tiles, small images enlarged to 256 px
@@ -172,8 +172,9 @@ def test_plot_curves_without_curves_warns(tmp_path, warnings_logged):
 
 
 # ------------------------------------------------------------------ results.png
-def _row(e: int) -> list[float]:
-    return [1 / (e + 1)] * 3 + [0.5, 0.4, 0.3, 0.2] + [1 / (e + 2)] * 3 + [0.01] * 3
+def _row(e: int) -> dict[str, float]:
+    values = [1 / (e + 1)] * 3 + [0.5, 0.4, 0.3, 0.2] + [1 / (e + 2)] * 3 + [0.01] * 3
+    return dict(zip(ResultsCSV("unused").keys, values))
 
 
 @pytest.mark.parametrize("n_rows", [1, 12])

@@ -1,23 +1,46 @@
-"""YOLOv5 v6 detection loss: CIoU box loss, IoU-weighted objectness, BCE classification.
+"""YOLOv5 v6 detection loss for the anchor-based head: CIoU box loss, IoU-weighted objectness, BCE classes.
 
-Hyperparameters come in explicitly (any object with attributes, or a mapping) rather than hanging
-off the model, so the loss can be built and tested without a training run.
+Targets are matched to anchors whose width and height are within ``anchor_t`` of theirs, in their
+own cell and the two nearest neighbours. The gains arrive scaled for this model and image size
+(``AnchorLossGains.from_hyp``, YOLOv5's rules), so the loss reads no hyperparameter file.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import complete_box_iou_loss
 
-from models.yolo import de_parallel
+from utils.core.hyp import Hyp
+
+if TYPE_CHECKING:  # the head builds this loss; only its type is needed here
+    from models.heads.anchor import Detect
 
 NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
-REQUIRED_HYP = ("box", "obj", "cls", "anchor_t")
-OPTIONAL_HYP = {"cls_pw": 1.0, "obj_pw": 1.0, "fl_gamma": 0.0, "label_smoothing": 0.0}
+
+
+@dataclass(frozen=True)
+class AnchorLossGains:
+    """The loss's settings, scaled to the model and image size: not hyperparameters as written."""
+
+    box: float
+    obj: float
+    cls: float
+    anchor_t: float
+    cls_pw: float = 1.0
+    obj_pw: float = 1.0
+    fl_gamma: float = 0.0
+    label_smoothing: float = 0.0
+
+    @classmethod
+    def from_hyp(cls, hyp: Hyp, nl: int, nc: int, imgsz: int) -> AnchorLossGains:
+        """YOLOv5's scaling: box and cls by 3 / detection layers, cls by classes / 80, obj by image area."""
+        return cls(box=hyp.box * 3 / nl, cls=hyp.cls * nc / 80 * 3 / nl, obj=hyp.obj * (imgsz / 640) ** 2 * 3 / nl,
+                   anchor_t=hyp.anchor_t, cls_pw=hyp.cls_pw, obj_pw=hyp.obj_pw, fl_gamma=hyp.fl_gamma,
+                   label_smoothing=hyp.label_smoothing)
 
 
 def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
@@ -40,31 +63,20 @@ class FocalLoss(nn.Module):
         return (loss * alpha_factor * (1.0 - p_t) ** self.gamma).mean()
 
 
-def _read_hyp(hyp: Any) -> dict[str, float]:
-    """The loss's hyperparameters from a dataclass/namespace or a dict; required keys must exist."""
-    get = (lambda k, *d: hyp.get(k, *d)) if isinstance(hyp, Mapping) else (lambda k, *d: getattr(hyp, k, *d))
-    missing = [k for k in REQUIRED_HYP if get(k, None) is None]
-    if missing:
-        raise ValueError(f"ComputeLoss: hyperparameters {missing} are missing from {type(hyp).__name__}")
-    out = {k: float(get(k)) for k in REQUIRED_HYP}
-    out.update({k: float(get(k, d)) for k, d in OPTIONAL_HYP.items()})
-    return out
-
-
-class ComputeLoss:
+class AnchorLoss:
     """Loss for a Detect head's raw training outputs against normalized targets.
 
-    The Detect layer is read at every call (not copied), so anchors updated by autoanchor or
-    moved with model.to(device) are always the ones used.
+    The head is read at every call (not copied), so anchors updated by autoanchor or moved with
+    model.to(device) are always the ones used.
     """
 
-    def __init__(self, model: nn.Module, hyp: Any) -> None:
-        self.det = de_parallel(model).detect
-        self.hyp = _read_hyp(hyp)
-        self.cp, self.cn = smooth_bce(self.hyp["label_smoothing"])
-        g = self.hyp["fl_gamma"]
-        self.focal = FocalLoss(g) if g > 0 else None
-        self.nc, self.na, self.nl = self.det.nc, self.det.na, self.det.nl
+    loss_names = ("box", "obj", "cls")
+
+    def __init__(self, det: Detect, gains: AnchorLossGains) -> None:
+        self.det, self.gains = det, gains
+        self.cp, self.cn = smooth_bce(gains.label_smoothing)
+        self.focal = FocalLoss(gains.fl_gamma) if gains.fl_gamma > 0 else None
+        self.nc, self.na, self.nl = det.nc, det.na, det.nl
         self.balance = {3: [4.0, 1.0, 0.4]}.get(self.nl, [4.0, 1.0, 0.25, 0.06, 0.02])
         self.gr = 1.0  # objectness target = gr * iou + (1 - gr)
         self._pos_weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -97,9 +109,9 @@ class ComputeLoss:
                     t[torch.arange(b.shape[0], device=device), tcls[i]] = self.cp
                     lcls += self._bce(ps[:, 5:], t, cls_pw)
             lobj += self._bce(pi[..., 4].float(), tobj, obj_pw) * self.balance[i]
-        lbox *= self.hyp["box"]
-        lobj *= self.hyp["obj"]
-        lcls *= self.hyp["cls"]
+        lbox *= self.gains.box
+        lobj *= self.gains.obj
+        lcls *= self.gains.cls
         bs = preds[0].shape[0]
         return (lbox + lobj + lcls) * bs, torch.cat((lbox, lobj, lcls)).detach()
 
@@ -112,8 +124,8 @@ class ComputeLoss:
         """BCE pos_weight tensors, made once per device (avoids a host-to-device copy per step)."""
         if device not in self._pos_weights:
             self._pos_weights[device] = (
-                torch.tensor([self.hyp["cls_pw"]], device=device),
-                torch.tensor([self.hyp["obj_pw"]], device=device),
+                torch.tensor([self.gains.cls_pw], device=device),
+                torch.tensor([self.gains.obj_pw], device=device),
             )
         return self._pos_weights[device]
 
@@ -141,7 +153,7 @@ class ComputeLoss:
             anchors = anchors_all[i]
             if nt:
                 r = t[..., 4:6] / anchors[:, None]
-                t = t[torch.max(r, 1 / r).max(2)[0] < self.hyp["anchor_t"]]
+                t = t[torch.max(r, 1 / r).max(2)[0] < self.gains.anchor_t]
                 gxy = t[:, 2:4]
                 gxi = gain[[2, 3]] - gxy  # distance from the far edges
                 left, top = ((gxy % 1 < g) & (gxy > 1)).T

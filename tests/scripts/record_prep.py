@@ -9,7 +9,7 @@ import sys
 
 import data.shapes
 import train
-import utils.data.labels
+import utils.data.labelcache
 
 log_file = sys.argv[1]
 
@@ -29,6 +29,8 @@ def _wrap(event, fn, describe=lambda *a, **k: {}):
 
 
 data.shapes._swap_in = _wrap("generate", data.shapes._swap_in)  # called only when a dataset was generated
-utils.data.labels.scan_labels = _wrap("scan", utils.data.labels.scan_labels, lambda files, *a, **k: {"n": len(files)})
+# load_or_scan looks scan_labels up in its own module
+utils.data.labelcache.scan_labels = _wrap("scan", utils.data.labelcache.scan_labels,
+                                          lambda files, *a, **k: {"n": len(files)})
 train.save_checkpoint = _wrap("save", train.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
 sys.exit(train.cli(sys.argv[2:]))

@@ -18,16 +18,6 @@ def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return y
 
 
-def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """[x1, y1, x2, y2] -> [xc, yc, w, h]."""
-    y = x.clone() if isinstance(x, torch.Tensor) else np.copy(x)
-    y[..., 0] = (x[..., 0] + x[..., 2]) / 2
-    y[..., 1] = (x[..., 1] + x[..., 3]) / 2
-    y[..., 2] = x[..., 2] - x[..., 0]
-    y[..., 3] = x[..., 3] - x[..., 1]
-    return y
-
-
 def xywhn2xyxy(x: np.ndarray, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> np.ndarray:
     """Normalized [xc, yc, w, h] -> pixel [x1, y1, x2, y2] in an image of size w x h plus padding."""
     y = np.copy(x)
@@ -52,11 +42,6 @@ def xyxy2xywhn(x: np.ndarray, w: float, h: float, clip: bool = False) -> np.ndar
     return y
 
 
-def box_iou(box1: torch.Tensor, box2: torch.Tensor) -> torch.Tensor:
-    """Pairwise IoU (N, M) of xyxy boxes, from torchvision."""
-    return torchvision.ops.box_iou(box1, box2)
-
-
 def non_max_suppression(
     prediction: torch.Tensor,
     conf_thres: float = 0.25,
@@ -67,9 +52,10 @@ def non_max_suppression(
     max_det: int = 300,
     max_nms: int = 30000,
 ) -> list[torch.Tensor]:
-    """Per-image NMS on raw Detect output (B, N, 5 + nc) -> list of (n, 6) [x1, y1, x2, y2, conf, cls].
+    """Per-image NMS on decoded head output (B, N, 4 + nc) -> list of (n, 6) [x1, y1, x2, y2, conf, cls].
 
-    conf = objectness * class score. multi_label keeps every class above conf_thres for a box
+    Rows are box centre, size (input pixels) and one score per class, the form every head decodes
+    to (models/heads/base.py; the anchor head's scores are objectness x class). multi_label keeps every class above conf_thres for a box
     (what mAP evaluation wants). No wall-clock limit: results never depend on machine speed.
     On CPU the images of a batch run on torch's intra-op thread count in parallel: torchvision's
     NMS kernel is single-threaded and releases the GIL, and each image's result is computed
@@ -77,9 +63,9 @@ def non_max_suppression(
     """
     if not 0 <= conf_thres <= 1 or not 0 <= iou_thres <= 1:
         raise ValueError(f"conf_thres {conf_thres} and iou_thres {iou_thres} must lie in [0, 1]")
-    bs, nc = prediction.shape[0], prediction.shape[2] - 5
+    bs, nc = prediction.shape[0], prediction.shape[2] - 4
     multi_label &= nc > 1
-    candidates = prediction[..., 4] > conf_thres
+    candidates = prediction[..., 4:].amax(-1) > conf_thres
 
     def one(i: int) -> torch.Tensor:
         return _nms_image(prediction[i][candidates[i]], conf_thres, iou_thres, classes, agnostic, multi_label,
@@ -98,10 +84,10 @@ def non_max_suppression(
 
 def _nms_image(x: torch.Tensor, conf_thres: float, iou_thres: float, classes: list[int] | None, agnostic: bool,
                multi_label: bool, max_det: int, max_nms: int) -> torch.Tensor:
-    """One image's candidates (rows with objectness > conf_thres) -> its (n, 6) detections."""
+    """One image's candidates (rows with a class score > conf_thres) -> its (n, 6) detections."""
     if not x.shape[0]:
         return torch.zeros((0, 6), device=x.device)
-    scores = x[:, 5:] * x[:, 4:5]  # conf = obj * cls
+    scores = x[:, 4:]
     box = xywh2xyxy(x[:, :4])
     if multi_label:
         i_box, j = (scores > conf_thres).nonzero(as_tuple=False).T

@@ -25,24 +25,34 @@ def latest_checkpoint(search_dir: str | Path = "runs") -> Path | None:
 
 
 class ResultsCSV:
-    """One row per epoch in YOLOv5's results.csv layout (rank 0 only)."""
+    """One row per epoch in YOLOv5's results.csv layout (rank 0 only), columns named from the head's losses.
 
-    KEYS = ("train/box_loss", "train/obj_loss", "train/cls_loss", "metrics/precision", "metrics/recall",
-            "metrics/mAP_0.5", "metrics/mAP_0.5:0.95", "val/box_loss", "val/obj_loss", "val/cls_loss",
-            "x/lr0", "x/lr1", "x/lr2")
+    Rows are dicts keyed by column name, so a column can never shift: train/<loss>_loss for each of
+    the criterion's items, the four metrics, val/<loss>_loss, then one learning rate per group.
+    """
 
-    def __init__(self, path: str | Path):
+    METRICS = ("metrics/precision", "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95")
+
+    def __init__(self, path: str | Path, loss_names: tuple[str, ...] = ("box", "obj", "cls"), lr_groups: int = 3):
         self.path = Path(path)
+        self.keys = (*(f"train/{n}_loss" for n in loss_names), *self.METRICS,
+                     *(f"val/{n}_loss" for n in loss_names), *(f"x/lr{j}" for j in range(lr_groups)))
 
-    def append(self, epoch: int, values: list[float]) -> None:
-        if len(values) != len(self.KEYS):
-            raise ValueError(f"results row has {len(values)} values, expected {len(self.KEYS)}")
+    @classmethod
+    def metric_row(cls, metrics) -> dict[str, float]:
+        """The four metric columns of a DetectionMetrics (zeros for an epoch without validation)."""
+        values = (metrics.mp, metrics.mr, metrics.map50, metrics.map) if metrics is not None else (0.0,) * 4
+        return dict(zip(cls.METRICS, values))
+
+    def append(self, epoch: int, row: dict[str, float]) -> None:
+        if set(row) != set(self.keys):
+            raise ValueError(f"results row has columns {sorted(row)}, expected {sorted(self.keys)}")
         new = not self.path.exists()
         with open(self.path, "a", newline="") as f:
             w = csv.writer(f)
             if new:
-                w.writerow(("epoch", *self.KEYS))
-            w.writerow((epoch, *(f"{v:.5g}" for v in values)))
+                w.writerow(("epoch", *self.keys))
+            w.writerow((epoch, *(f"{row[k]:.5g}" for k in self.keys)))
 
     def truncate_after(self, epoch: int) -> None:
         """On resume, drop rows of epochs that will be trained again."""

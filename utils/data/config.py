@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.yolo import check_anchors_spec
+from data.shapes import GENERATORS  # explicit registry, never eval
+from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
-from utils.core.logging import LOGGER
+from utils.data.images import IMG_SUFFIXES
+
 
 @dataclass
 class DataConfig:
@@ -100,8 +102,6 @@ def prepare_dataset(cfg: DataConfig) -> None:
     """Create a built-in dataset on first use (call under torch_distributed_zero_first), then
     check that every split path exists."""
     if cfg.generate:
-        from data.shapes import GENERATORS  # explicit registry, never eval
-
         if cfg.generate not in GENERATORS:
             hint = did_you_mean(cfg.generate, GENERATORS)
             raise UserError(f"{cfg.file}: unknown generator '{cfg.generate}'.{hint}")
@@ -156,8 +156,6 @@ def _missing_split_hint(cfg: DataConfig, split: Path) -> str:
 
 def _has_images(path: Path) -> bool:
     """Cheap emptiness check (stops at the first image): a folder with an image, or a non-empty list."""
-    from utils.data.labels import IMG_SUFFIXES
-
     if path.is_dir():
         return any(f.suffix.lower() in IMG_SUFFIXES for f in path.rglob("*"))
     if path.suffix.lower() == ".txt":

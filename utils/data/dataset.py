@@ -1,8 +1,9 @@
 """The training/validation Dataset: loads an image, letterboxes it and applies augmentation.
 
-Finding and verifying files and the label cache live in utils/data/labels.py. Every random draw for a
-sample comes from ``np.random.default_rng([seed, epoch, index])``, so a batch's content does not
-depend on worker count, world size or resume.
+Finding and verifying files live in utils/data/labels.py, the scan cache in labelcache.py, the
+messages about problems in problems.py. Every random draw for a sample comes from
+``np.random.default_rng([seed, epoch, index])``, so a batch's content does not depend on worker
+count, world size or resume. Sizes are (h, w) (utils/data/geometry.py).
 """
 from __future__ import annotations
 
@@ -13,27 +14,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from utils.data.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
 from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.data.labels import (_describe, check_label_presence, format_summary, img2label_paths, load_or_scan,
-                          read_image_bgr, report_messages, require_usable, resolve_image_files,
-                          write_problem_report)
+from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
+from utils.data.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
+from utils.data.geometry import Placement
+from utils.data.images import read_image_bgr
+from utils.data.labelcache import load_or_scan
+from utils.data.labels import describe_source, format_summary, img2label_paths, require_usable, resolve_image_files
+from utils.data.problems import check_label_presence, report_messages, write_problem_report
 
-HYP_DEFAULTS = {"hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4, "fliplr": 0.5, "flipud": 0.0, "degrees": 0.0,
-                "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0, "mosaic": 1.0, "mixup": 0.0}
 
-
-def _hyp(hyp: Any, key: str) -> float:
-    """A hyperparameter from an object (attribute) or dict, YOLOv5's default when absent."""
-    value = hyp.get(key) if isinstance(hyp, dict) else getattr(hyp, key, None)
-    return float(HYP_DEFAULTS[key] if value is None else value)
+# image (3, H, W) uint8 RGB, labels (n, 6) [0, cls, xc, yc, w, h] normalised, path, placement, index
+Sample = tuple[torch.Tensor, torch.Tensor, str, Placement | None, int]
 
 
 class LoadImagesAndLabels(torch.utils.data.Dataset):
     """Images letterboxed to ``img_size`` (or per-batch rectangles) with normalised labels.
 
-    ``__getitem__`` takes an index or ``(epoch, index)``; augmentation draws from
+    ``image_hw`` (n, 2) int32 holds each image's upright size (h, w). ``__getitem__`` takes an
+    index or ``(epoch, index)`` and returns a ``Sample``, whose Placement (None for a mosaic) maps
+    predictions back to the original image. Augmentation draws from
     ``np.random.default_rng([seed, epoch, index])`` only, so a sample is the same whichever
     worker, rank or resumed run produces it.
 
@@ -43,16 +44,17 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     """
 
     def __init__(self, path: Any, img_size: int = 640, batch_size: int = 16, augment: bool = False,
-                 hyp: Any = None, rect: bool = False, stride: int = 32, pad: float = 0.0,
+                 hyp: Hyp | None = None, rect: bool = False, stride: int = 32, pad: float = 0.0,
                  single_cls: bool = False, *, nc: int, seed: int = 0, cache_dir: Path | None = None,
                  prefix: str = "", verbose: bool = True, role: str | None = None,
                  report_dir: Path | None = None) -> None:
-        self.path, self.img_size, self.augment, self.hyp = path, img_size, augment, hyp
+        self.path, self.img_size, self.augment = path, img_size, augment
+        self.hyp = hyp if hyp is not None else Hyp()
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
         img_files = resolve_image_files(path)
         label_files = img2label_paths(img_files)
         result, self.cache_hit = load_or_scan(path, img_files, label_files, nc, cache_dir)
-        c, where, split = result.counts, _describe(path), prefix.strip(" :") or "split"
+        c, where, split = result.counts, describe_source(path), prefix.strip(" :") or "split"
         if verbose:
             report = write_problem_report(result.msgs, report_dir, split, where) if report_dir else None
             report_messages(result.msgs, prefix, report)
@@ -66,7 +68,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         if single_cls:
             for x in self.labels:
                 x[:, 0] = 0
-        self.shapes = np.asarray(result.shapes, dtype=np.int32).reshape(-1, 2)
+        self.image_hw = np.asarray(result.image_hw, dtype=np.int32).reshape(-1, 2)
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
@@ -79,21 +81,21 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
 
     def _set_rect_shapes(self, batch_size: int) -> None:
         """Sort by aspect ratio and give each batch the smallest stride-multiple shape that fits it."""
-        ar = self.shapes[:, 1] / self.shapes[:, 0]  # h / w
+        ar = self.image_hw[:, 0] / self.image_hw[:, 1]  # h / w
         order = ar.argsort(kind="stable")
         self.im_files = [self.im_files[i] for i in order]
         self.label_files = [self.label_files[i] for i in order]
         self.labels = [self.labels[i] for i in order]
-        self.shapes, ar = self.shapes[order], ar[order]
+        self.image_hw, ar = self.image_hw[order], ar[order]
         nb = math.ceil(len(ar) / batch_size)
-        shapes = np.ones((nb, 2))
+        rel_hw = np.ones((nb, 2))  # each batch's (h, w) relative to img_size
         for i in range(nb):
             ari = ar[i * batch_size:(i + 1) * batch_size]
             if ari.max() < 1:
-                shapes[i] = [ari.max(), 1]
+                rel_hw[i] = [ari.max(), 1]
             elif ari.min() > 1:
-                shapes[i] = [1, 1 / ari.min()]
-        self.batch_shapes = np.ceil(shapes * self.img_size / self.stride + self.pad).astype(int) * self.stride
+                rel_hw[i] = [1, 1 / ari.min()]
+        self.batch_shapes = np.ceil(rel_hw * self.img_size / self.stride + self.pad).astype(int) * self.stride
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -144,7 +146,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
 
     def _geometry(self) -> dict[str, float]:
         """random_perspective's gains from the hyperparameters."""
-        return {k: _hyp(self.hyp, k) for k in ("degrees", "translate", "scale", "shear", "perspective")}
+        return {k: getattr(self.hyp, k) for k in ("degrees", "translate", "scale", "shear", "perspective")}
 
     def mosaic_enabled(self, epoch: int) -> bool:
         """Mosaic is used for augmented square training, until ``mosaic_off_from_epoch`` (close_mosaic).
@@ -154,41 +156,48 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         off = self.mosaic_off_from_epoch
         return self.augment and not self.rect and (off is None or epoch < off)
 
-    def __getitem__(self, item: int | tuple[int, int]):
+    def __getitem__(self, item: int | tuple[int, int]) -> Sample:
         epoch, index = item if isinstance(item, tuple) else (0, item)
         epoch, index = int(epoch), int(index)
         rng = np.random.default_rng([self.seed, epoch, index])
-        shapes = None  # letterbox geometry, for mapping predictions back; a mosaic has none
+        hyp, placed = self.hyp, None  # a mosaic has no placement to map predictions back through
         if self.augment:
             # Decisions first, then one independent child stream per stage (spawned from this
             # sample's seed, not drawn), so turning mixup on or changing a gain does not shift
             # the colour or flip draws. Everything still depends only on (seed, epoch, index).
             u = rng.random(2)  # mosaic, mixup
             geo_rng, mix_rng, colour_rng = rng.spawn(3)
-        if self.augment and self.mosaic_enabled(epoch) and u[0] < _hyp(self.hyp, "mosaic"):
+        if self.augment and self.mosaic_enabled(epoch) and u[0] < hyp.mosaic:
             img, labels = self.load_mosaic(index, geo_rng)
-            if u[1] < _hyp(self.hyp, "mixup"):
+            if u[1] < hyp.mixup:
                 img2, labels2 = self.load_mosaic(int(mix_rng.integers(0, len(self))), mix_rng)
                 img, labels = mixup(img, labels, img2, labels2, mix_rng)
         else:
-            img, (h0, w0) = self.load_image(index)
-            h, w = img.shape[:2]
-            shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else self.img_size
-            img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
-            shapes = (h0, w0), ((h * ratio[1] / h0, w * ratio[0] / w0), pad)
-            labels = self.labels[index].copy()
-            if len(labels):
-                labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
+            img, labels, placed = self.load_letterboxed(index)
             if self.augment:
                 img, labels = random_perspective(img, labels, geo_rng, **self._geometry())
         if self.augment:
-            augment_hsv(img, colour_rng, _hyp(self.hyp, "hsv_h"), _hyp(self.hyp, "hsv_s"), _hyp(self.hyp, "hsv_v"))
+            augment_hsv(img, colour_rng, hyp.hsv_h, hyp.hsv_s, hyp.hsv_v)
         if len(labels):
             labels[:, 1:] = xyxy2xywhn(labels[:, 1:], w=img.shape[1], h=img.shape[0], clip=True)
         if self.augment:
-            img, labels = random_flip(img, labels, colour_rng, _hyp(self.hyp, "fliplr"), _hyp(self.hyp, "flipud"))
+            img, labels = random_flip(img, labels, colour_rng, hyp.fliplr, hyp.flipud)
         labels_out = torch.zeros((len(labels), 6))
         if len(labels):
             labels_out[:, 1:] = torch.from_numpy(labels)
         img = np.ascontiguousarray(img.transpose((2, 0, 1))[::-1])  # HWC BGR -> CHW RGB
-        return torch.from_numpy(img), labels_out, self.im_files[index], shapes, index
+        return torch.from_numpy(img), labels_out, self.im_files[index], placed, index
+
+    def load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, Placement]:
+        """Image ``index`` letterboxed to its input shape, its labels in pixels [cls, x1, y1, x2, y2],
+        and where the original lies in it (to map predictions back)."""
+        img, (h0, w0) = self.load_image(index)
+        h, w = img.shape[:2]
+        shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else self.img_size
+        img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
+        placed = Placement(orig_hw=(h0, w0), gain_hw=(h * ratio[1] / h0, w * ratio[0] / w0),
+                           pad_hw=(pad[1], pad[0]))
+        labels = self.labels[index].copy()
+        if len(labels):
+            labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
+        return img, labels, placed

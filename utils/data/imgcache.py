@@ -32,10 +32,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from PIL import Image
 
+from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
+from utils.data.augment import resize_long_side
+from utils.data.images import read_image_bgr
+from utils.data.labelcache import cache_paths, files_hash
+from utils.data.labels import img2label_paths
 
 CACHE_VERSION = 1
 MODES = ("ram", "disk")
@@ -43,13 +49,6 @@ SHM = Path("/dev/shm")
 MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
 
 ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
-
-
-def _default_resize() -> ResizeFn:
-    """The dataset's own resize, imported late so this module never drifts from load_image."""
-    from utils.data.augment import resize_long_side
-
-    return resize_long_side
 
 
 def resized_shape(h0: int, w0: int, img_size: int) -> tuple[int, int]:
@@ -60,15 +59,13 @@ def resized_shape(h0: int, w0: int, img_size: int) -> tuple[int, int]:
     return min(max(1, math.ceil(h0 * r)), img_size), min(max(1, math.ceil(w0 * r)), img_size)
 
 
-def header_shapes(im_files: Sequence[str]) -> np.ndarray:
-    """(N, 2) of (w, h) read from image headers with PIL (no decoding); (0, 0) when unreadable."""
-    from PIL import Image
-
+def header_hw(im_files: Sequence[str]) -> np.ndarray:
+    """(N, 2) of (h, w) read from image headers with PIL (no decoding); (0, 0) when unreadable."""
     out = np.zeros((len(im_files), 2), dtype=np.int64)
     for i, f in enumerate(im_files):
         try:
             with Image.open(f) as im:
-                out[i] = im.size
+                out[i] = im.size[::-1]  # PIL's size is (w, h)
         except (OSError, ValueError):
             pass
     return out
@@ -76,8 +73,6 @@ def header_shapes(im_files: Sequence[str]) -> np.ndarray:
 
 def images_hash(im_files: Sequence[str], img_size: int, augment: bool) -> str:
     """sha256 over the cache version, img_size, resize mode and every image's path, size and mtime_ns."""
-    from utils.data.labels import files_hash
-
     return files_hash(f"yolotrain-imgcache v{CACHE_VERSION} {img_size} augment={bool(augment)}", im_files)
 
 
@@ -126,8 +121,6 @@ def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, pat
     else next to the label cache (``labels/<split>.cache.npz`` -> ``labels/<split>.<hash>.imgcache.npy``),
     else ~/.cache/yolotrain when that folder is read-only.
     """
-    from utils.data.labels import img2label_paths
-
     split = Path(im_files[0]).parent.name or "images"
     if mode == "ram":
         return (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())), split
@@ -138,8 +131,6 @@ def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, pat
     folder, split, fallback = labels_dir.parent, labels_dir.name, Path.home() / ".cache" / "yolotrain" / "x"
     if path is not None:
         try:
-            from utils.data.labels import cache_paths
-
             primary, fallback = cache_paths(path, label_files, None)
             folder, split = primary.parent, primary.name.split(".")[0] or split
         except Exception:  # cache_paths' rules changed or path is odd: keep the label-folder rule
@@ -200,14 +191,12 @@ class ImageCache:
             self._open()
         off, h, w, h0, w0 = (int(v) for v in self._index[i])  # type: ignore[index]
         if off < 0:  # not cacheable at build time (size disagreed with its header): the uncached path
-            from utils.data.labels import read_image_bgr
-
             img = read_image_bgr(self._file(i))  # raises a UserError naming the file
             return self._resize(img), img.shape[:2]
         return self._data[off:off + h * w * 3].reshape(h, w, 3).copy(), (h0, w0)  # type: ignore[index]
 
     def _resize(self, img: np.ndarray) -> np.ndarray:
-        return _default_resize()(img, int(self.meta["img_size"]), bool(self.meta["augment"]))
+        return resize_long_side(img, int(self.meta["img_size"]), bool(self.meta["augment"]))
 
     def is_complete(self, n: int, hash_: str) -> bool:
         """True when the index exists, matches this hash and image count, and the data file has every byte."""
@@ -255,11 +244,11 @@ def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str) -> No
 
 
 def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: bool, hash_: str,
-           sizes: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
+           image_hw: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
     """Decode + resize every image in threads into a preallocated temp .npy, then rename it and the index in."""
     n = len(im_files)
     hw = np.array([resized_shape(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
-                   for w, h in sizes], dtype=np.int64).reshape(-1, 2)
+                   for h, w in image_hw], dtype=np.int64).reshape(-1, 2)
     nbytes_each = hw[:, 0] * hw[:, 1] * 3
     offsets = np.concatenate([[0], np.cumsum(nbytes_each)[:-1]]).astype(np.int64)
     total = int(nbytes_each.sum())
@@ -315,21 +304,19 @@ def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
 
 def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str,
                   cache_dir: Path | None = None, local_rank: int = 0, num_threads: int | None = None, *,
-                  shapes: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
+                  image_hw: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
                   prefix: str = "") -> ImageCache:
     """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
 
-    ``shapes`` (N, 2 of w, h; the label scan's) avoids re-reading headers for the size estimate.
+    ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate.
     ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
     label cache. Must be called by every rank, with the same ``im_files`` in the same order.
     """
-    from utils.core.dist import torch_distributed_zero_first
-
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
     if not len(im_files):
         raise UserError("--cache: no images to cache")
-    resize = resize or _default_resize()
+    resize = resize or resize_long_side
     hash_ = images_hash(im_files, img_size, augment)
     folder, split = cache_folder(im_files, mode, cache_dir, path)
     family = _family(im_files, split, img_size, augment)
@@ -341,11 +328,11 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UserError(f"--cache {mode}: cannot create the cache folder {folder} ({e.strerror or e})") from e
-            sizes = np.asarray(shapes, dtype=np.int64).reshape(-1, 2) if shapes is not None else header_shapes(im_files)
+            sizes = header_hw(im_files) if image_hw is None else np.asarray(image_hw, dtype=np.int64).reshape(-1, 2)
             if len(sizes) != len(im_files):
-                raise ValueError(f"shapes has {len(sizes)} rows for {len(im_files)} images")
+                raise ValueError(f"image_hw has {len(sizes)} rows for {len(im_files)} images")
             need = sum(h * w * 3 for h, w in (resized_shape(int(h), int(w), img_size)
-                                              for w, h in sizes if w > 0 and h > 0))
+                                              for h, w in sizes if w > 0 and h > 0))
             _check_room(need, len(im_files), img_size, folder, mode)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
@@ -364,8 +351,6 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
 def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
     """Delete /dev/shm caches once every rank is done (mapped copies stay valid until exit), so
     RAM is not held after the run, as with YOLOv5's in-process cache. Disk caches are kept."""
-    from utils.core.dist import barrier
-
     barrier()
     if local_rank == 0:
         for cache in caches:
@@ -375,8 +360,6 @@ def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
 
 def _read(path: str) -> np.ndarray | None:
     """The loader's decoder (EXIF, alpha, 16-bit, CMYK, truncated JPEGs), None when unreadable."""
-    from utils.data.labels import read_image_bgr
-
     try:
         return read_image_bgr(path)
     except UserError:

@@ -15,11 +15,13 @@ import cv2
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from utils.data.dataset import LoadImagesAndLabels
-from utils.data.imgcache import build_or_open
-from utils.core.dist import dist_info, torch_distributed_zero_first
+from utils.core.dist import DistInfo, torch_distributed_zero_first
 from utils.core.errors import UserError
+from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.geometry import Placement
+from utils.data.imgcache import build_or_open
 
 
 class Batch(NamedTuple):
@@ -28,19 +30,19 @@ class Batch(NamedTuple):
     images: torch.Tensor  # uint8 (B, 3, H, W) RGB
     targets: torch.Tensor  # float32 (N, 6)
     paths: tuple[str, ...]
-    shapes: tuple  # per image ((h0, w0), ((gain_h, gain_w), (pad_w, pad_h)))
+    placements: tuple[Placement | None, ...]  # where each original image lies in ``images``; None for a mosaic
     indices: torch.Tensor  # int64 (B,) dataset indices
 
 
 def collate_fn(batch: list[tuple]) -> Batch:
     """Stack images and concatenate labels, tagging each label row with its image's batch position."""
-    images, labels, paths, shapes, indices = zip(*batch)
+    images, labels, paths, placements, indices = zip(*batch)
     targets = []
     for i, lb in enumerate(labels):
         lb = lb.clone()
         lb[:, 0] = i
         targets.append(lb)
-    return Batch(torch.stack(images, 0), torch.cat(targets, 0).float(), tuple(paths), tuple(shapes),
+    return Batch(torch.stack(images, 0), torch.cat(targets, 0).float(), tuple(paths), tuple(placements),
                  torch.as_tensor(indices, dtype=torch.long))
 
 
@@ -113,18 +115,17 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, single_cls: bool = False,
-                      hyp: Any = None, augment: bool = False, cache: str | None = None, pad: float = 0.0,
-                      rect: bool = False, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                      workers: int = 8, shuffle: bool = False, seed: int = 0, nc: int = 80,
-                      cache_dir: Path | None = None, prefix: str = "",
-                      report_dir: Path | None = None) -> tuple[DataLoader, LoadImagesAndLabels]:
-    """DataLoader and dataset for one rank; ``batch_size`` is per rank.
+def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),
+                      single_cls: bool = False, hyp: Hyp | None = None, augment: bool = False,
+                      cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
+                      shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
+                      prefix: str = "", report_dir: Path | None = None) -> DataLoader:
+    """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank.
 
-    ``shuffle=True`` marks a training loader (TrainSampler, equal batch count on every rank, and a
-    split without any label is an error); otherwise evaluation (InferenceSampler; no labels is a
-    warning). Local rank 0 scans and caches first. ``report_dir``: the run folder, where rank 0
-    writes the full list of the split's problems.
+    The dataset is ``loader.dataset``. ``shuffle=True`` marks a training loader (TrainSampler, equal
+    batch count on every rank, and a split without any label is an error); otherwise evaluation
+    (InferenceSampler; no labels is a warning). Local rank 0 scans and caches first. ``report_dir``:
+    the run folder, where rank 0 writes the full list of the split's problems.
     """
     training = shuffle
     if rect and shuffle:
@@ -132,32 +133,31 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, singl
         shuffle = False
     # Training shards interleave (rank::ws), so rectangle shapes are shared across a global batch;
     # with drop_last no padded index from another batch lands in a rank's last batch.
-    dataset_bs = batch_size * world_size if (training and rect) else batch_size
+    dataset_bs = batch_size * info.world_size if (training and rect) else batch_size
     error: UserError | None = None
-    with torch_distributed_zero_first(local_rank):
+    with torch_distributed_zero_first(info.local_rank):
         try:
             dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect,
                                           stride=stride, pad=pad, single_cls=single_cls, nc=nc, seed=seed,
-                                          cache_dir=cache_dir, prefix=prefix, verbose=rank == 0,
+                                          cache_dir=cache_dir, prefix=prefix, verbose=info.rank == 0,
                                           role="train" if training else "val", report_dir=report_dir)
         except UserError as e:  # the verdict comes from the files (and the scan cache local rank 0 wrote), so
             error = e           # every rank reaches it and names the problem itself, not "rank 0 failed"
     if error is not None:
         raise error
     if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
-        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=local_rank,
-                                         shapes=dataset.shapes, path=path, prefix=prefix)
+        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
+                                         image_hw=dataset.image_hw, path=path, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
-    ranks_here = dist_info().local_world_size if world_size > 1 else 1  # share this node's cores, not the job's
+    ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
     nw = min((os.cpu_count() or 1) // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
     if training:
-        sampler: Sampler = TrainSampler(len(dataset), rank, world_size, seed, shuffle=shuffle,
-                                        drop_last=rect and world_size > 1)
+        sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,
+                                        drop_last=rect and info.world_size > 1)
     else:
-        sampler = InferenceSampler(len(dataset), batch_size, rank, world_size)
+        sampler = InferenceSampler(len(dataset), batch_size, info.rank, info.world_size)
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw,
-                        pin_memory=torch.cuda.is_available(), collate_fn=collate_fn,
-                        persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None)
-    return loader, dataset
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw,
+                      pin_memory=torch.cuda.is_available(), collate_fn=collate_fn,
+                      persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None)

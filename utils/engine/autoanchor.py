@@ -26,7 +26,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.yolo import check_anchor_order, de_parallel
+from models.heads.anchor import check_anchor_order
+from models.yolo import de_parallel
+from utils.core import dist
+from utils.core.dist import DistInfo
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, colorstr
 
@@ -76,13 +79,13 @@ def _image_wh(dataset: Any, img_size: int, scale: np.ndarray | None = None) -> n
 
     ``scale`` (N, 1) optionally multiplies each image's size, YOLOv5's scale augmentation.
     """
-    shapes = np.asarray(dataset.shapes, dtype=np.float64).reshape(-1, 2)
+    wh = np.asarray(dataset.image_hw, dtype=np.float64).reshape(-1, 2)[:, ::-1]  # (w, h), as the label columns
     labels = list(dataset.labels)
-    if len(labels) != len(shapes):
-        raise ValueError(f"dataset has {len(labels)} label arrays but {len(shapes)} image shapes")
+    if len(labels) != len(wh):
+        raise ValueError(f"dataset has {len(labels)} label arrays but {len(wh)} image sizes")
     if not labels:
         return np.zeros((0, 2))
-    sizes = img_size * shapes / shapes.max(1, keepdims=True).clip(min=1)
+    sizes = img_size * wh / wh.max(1, keepdims=True).clip(min=1)
     if scale is not None:
         sizes = sizes * scale
     parts = [np.asarray(lb, dtype=np.float64).reshape(-1, 5)[:, 3:5] * s for s, lb in zip(sizes, labels)]
@@ -330,7 +333,7 @@ def check_anchors(dataset: Any, model: nn.Module, thr: float = 4.0, imgsz: int =
         LOGGER.warning(f"{PREFIX}WARNING: the dataset has no labels; keeping {kept}")
         return AnchorResult(math.nan, math.nan, False, current_yaml)
     rng = np.random.default_rng(seed)
-    scale = rng.uniform(*SCALE_AUG, size=(len(dataset.shapes), 1))
+    scale = rng.uniform(*SCALE_AUG, size=(len(dataset.image_hw), 1))
     wh = _image_wh(dataset, imgsz, scale)
     before = anchor_metrics(current, wh, thr)
     msg = f"{colorstr(PREFIX)}{before.aat:.2f} anchors/target, {before.bpr:.3f} Best Possible Recall (BPR). "
@@ -374,3 +377,18 @@ def anchors_per_level(hyp_anchors: float, hyp_file: str | Path, noautoanchor: bo
 def format_anchors(anchors_px: Sequence[Sequence[float]]) -> str:
     """Anchors as a model-yaml snippet, for users who want to keep them."""
     return "\n".join(f"  - [{', '.join(f'{v:g}' for v in level)}]" for level in anchors_px)
+
+
+def fit_anchors(model: nn.Module, dataset: Any, hyp: Any, imgsz: int, seed: int, info: DistInfo,
+                force: bool = False) -> None:
+    """check_anchors on rank 0 only; its result is broadcast and applied on the other ranks.
+
+    Call before the EMA copy and the DDP wrap, so every copy of the model holds the anchors.
+    """
+    new_anchors = None
+    if info.is_main:
+        fit = check_anchors(dataset, model, thr=hyp.anchor_t, imgsz=imgsz, seed=seed, force=force)
+        new_anchors = fit.anchors_px if fit.replaced else None
+    new_anchors = dist.broadcast_object(new_anchors)  # computed once, the same on every rank
+    if new_anchors is not None and not info.is_main:
+        set_anchors(model, new_anchors)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.yolo import Model
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
 
@@ -111,3 +112,15 @@ def strip_optimizer(path: str | Path) -> None:
         ckpt.pop(key, None)
     ckpt["stripped"] = True
     save_checkpoint(ckpt, path)
+
+
+def load_model(weights: str | Path, device: torch.device) -> tuple[Model, dict[str, Any]]:
+    """Rebuild the model from a checkpoint's yaml and load its EMA weights (raw ones if no EMA), in eval mode."""
+    ckpt = load_checkpoint(weights)
+    model = Model(ckpt["model_yaml"])
+    state = ckpt.get("ema") or ckpt["model"]
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise UserError(f"{weights}: weights do not fit the model stored in it ({str(e).splitlines()[0]})") from None
+    return model.to(device).float().eval(), ckpt

@@ -127,3 +127,20 @@ class EarlyStopping:
 
     def state_dict(self) -> dict[str, float]:
         return {"best_fitness": float(self.best_fitness), "best_epoch": int(self.best_epoch)}
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, lf: Callable[[float], float],
+                   start_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Epoch LR schedule, positioned for ``start_epoch``.
+
+    An uninterrupted run enters epoch e with last_epoch == e (the constructor counts as step 0), so
+    a resumed one must too; YOLOv5's ``start_epoch - 1`` gives every resumed epoch after warmup the
+    previous epoch's LR. The optimizer's saved lr already holds epoch e's value.
+    """
+    saved = [g["lr"] for g in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
+    if start_epoch:
+        scheduler.last_epoch = start_epoch
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
+    return scheduler

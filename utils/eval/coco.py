@@ -26,6 +26,9 @@ import numpy as np
 from utils.core.cli import ArgumentParser
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import atomic_write
+from utils.core.logging import LOGGER, setup_logging
+from utils.data.config import load_data_config, prepare_dataset
+from utils.data.dataset import LoadImagesAndLabels
 
 
 def image_ids(im_files: Sequence[str]) -> dict[str, int]:
@@ -75,9 +78,10 @@ def gt_xyxy(labels: np.ndarray, w: int, h: int) -> tuple[np.ndarray, np.ndarray]
     return np.clip(xyxy, 0, (w, h, w, h)), lb[:, 0].astype(np.int64)
 
 
-def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], shapes_wh: np.ndarray,
+def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], image_hw: np.ndarray,
                  names: Sequence[str], description: str = "") -> dict[str, Any]:
-    """COCO ground truth for a scanned split: labels are YOLO rows (cls, xc, yc, w, h) normalised.
+    """COCO ground truth for a scanned split: labels are YOLO rows (cls, xc, yc, w, h) normalised,
+    ``image_hw`` (n, 2) each image's original size (h, w).
 
     Images are listed by id (sorted paths), including those without labels: their detections are
     false positives in COCOeval as in val.py. Annotation ids start at 1 (COCOeval treats 0 as
@@ -87,7 +91,7 @@ def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], shapes_w
     order = sorted(range(len(im_files)), key=lambda i: ids[im_files[i]])
     images, boxes, classes, owners = [], [], [], []
     for i in order:
-        w, h = (int(v) for v in shapes_wh[i])
+        h, w = (int(v) for v in image_hw[i])
         images.append({"id": ids[im_files[i]], "file_name": str(im_files[i]), "width": w, "height": h})
         xyxy, cls = gt_xyxy(labels[i], w, h)
         boxes.append(xyxy)
@@ -101,10 +105,10 @@ def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], shapes_w
             "categories": [{"id": i, "name": str(n)} for i, n in enumerate(names)]}
 
 
-def dataset_ground_truth(dataset: Any, names: Sequence[str]) -> dict[str, Any]:
+def dataset_ground_truth(dataset: LoadImagesAndLabels, names: Sequence[str]) -> dict[str, Any]:
     """ground_truth() of a LoadImagesAndLabels (rect-sorted or not: the ids do not change)."""
     split = dataset.path if isinstance(dataset.path, (list, tuple)) else [dataset.path]
-    return ground_truth(dataset.im_files, dataset.labels, dataset.shapes, names,
+    return ground_truth(dataset.im_files, dataset.labels, dataset.image_hw, names,
                         description=f"yolotrain ground truth of {', '.join(str(p) for p in split)}")
 
 
@@ -117,9 +121,6 @@ def write_json(obj: Any, path: str | Path) -> None:
 def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: bool = False,
                  cache_dir: str | Path | None = None) -> dict[str, Any]:
     """Scan one split of a data yaml (generating a built-in dataset if needed) and write its COCO GT."""
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.dataset import LoadImagesAndLabels
-
     data = load_data_config(data_file)
     split = getattr(data, task)
     if not split:
@@ -150,8 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(opt: argparse.Namespace) -> None:
-    from utils.core.logging import LOGGER, setup_logging
-
     setup_logging()
     gt = export_split(opt.data, opt.task, opt.out, opt.single_cls, opt.cache_dir)
     LOGGER.info(f"{opt.out}: {len(gt['images'])} images, {len(gt['annotations'])} annotations, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import colorsys
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,12 +22,17 @@ from utils.eval.metrics import Curves, DetectionMetrics
 
 MAX_LEGEND_CLASSES = 21  # per-class legend entries beyond this are unreadable
 MAX_ANNOTATED_CLASSES = 30  # confusion-matrix cells get numbers below this class count
-RESULT_PANELS = (  # results.csv column -> panel title, in YOLOv5's 2 x 5 layout
-    ("train/box_loss", "train box loss"), ("train/obj_loss", "train obj loss"),
-    ("train/cls_loss", "train cls loss"), ("metrics/precision", "precision"), ("metrics/recall", "recall"),
-    ("val/box_loss", "val box loss"), ("val/obj_loss", "val obj loss"), ("val/cls_loss", "val cls loss"),
-    ("metrics/mAP_0.5", "mAP50"), ("metrics/mAP_0.5:0.95", "mAP50-95"),
-)
+LOSS_COLUMN = re.compile(r"^train/(\w+)_loss$")
+
+
+def result_panels(columns: Sequence[str]) -> list[tuple[str, str]]:
+    """results.csv column -> panel title, in YOLOv5's 2-row layout: train losses, P, R over val
+    losses, mAP50, mAP50-95. The losses are whatever the model's head names (box/obj/cls, box/cls/dfl)."""
+    losses = [m.group(1) for c in columns if (m := LOSS_COLUMN.match(c))] or ["box", "obj", "cls"]
+    return ([(f"train/{n}_loss", f"train {n} loss") for n in losses]
+            + [("metrics/precision", "precision"), ("metrics/recall", "recall")]
+            + [(f"val/{n}_loss", f"val {n} loss") for n in losses]
+            + [("metrics/mAP_0.5", "mAP50"), ("metrics/mAP_0.5:0.95", "mAP50-95")])
 
 
 def class_color(i: int) -> tuple[int, int, int]:
@@ -113,9 +119,10 @@ def plot_results(csv_path: str | Path, path: str | Path | None = None) -> Path |
     if epochs is None or not len(epochs):
         LOGGER.warning(f"plot_results: {csv_path} has no epochs yet; results.png not written")
         return None
-    fig = _figure((15, 6))
-    axes = fig.subplots(2, 5).ravel()
-    for ax, (key, title) in zip(axes, RESULT_PANELS):
+    panels = result_panels(list(cols))
+    fig = _figure((3 * len(panels) // 2, 6))
+    axes = fig.subplots(2, len(panels) // 2).ravel()
+    for ax, (key, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("epoch")
         y = cols.get(key)

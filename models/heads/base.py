@@ -1,0 +1,49 @@
+"""What every detection head provides, so train.py, val.py and autoanchor never branch on the family.
+
+A head is the model's last layer. It owns its maths:
+- ``forward``: raw per-level outputs while training; in eval mode ``(decoded, raw)`` where
+  ``decoded`` is (B, N, 4 + nc): box centre x, y, width, height in input pixels, then one score
+  per class in [0, 1]. NMS, validation, plots and export consume only this form.
+- ``build_criterion(hyp, imgsz)``: the loss that trains it (target assignment included).
+- ``has_anchors``: whether autoanchor applies.
+- ``set_strides(strides)`` and ``initialize_biases()``: called once by ``Model`` after the
+  strides are measured.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from utils.core.hyp import Hyp
+
+
+class Criterion(Protocol):
+    """A head's training loss: ``(total * batch size, detached items)`` for raw outputs and targets.
+
+    targets rows are [image index in batch, class, xc, yc, w, h] normalised to the input image.
+    ``loss_names`` name the items (results.csv columns, progress bar).
+    """
+
+    loss_names: tuple[str, ...]
+
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Head(nn.Module):
+    """Base class of detection heads; see the module docstring for the contract."""
+
+    has_anchors: ClassVar[bool] = False
+    nc: int
+    nl: int
+    stride: torch.Tensor
+
+    def build_criterion(self, hyp: Hyp, imgsz: int) -> Criterion:
+        raise NotImplementedError
+
+    def set_strides(self, strides: torch.Tensor) -> None:
+        self.stride.copy_(strides)
+
+    def initialize_biases(self) -> None:
+        """Class (and objectness) priors for a fresh model; a head without priors does nothing."""

@@ -1,0 +1,171 @@
+"""The training loop's inner part: one epoch of steps on this rank's shard.
+
+``train_one_epoch`` reads like YOLOv5's loop: warmup, forward, loss, backward, an optimizer step
+every ``accumulate`` batches (and always on an epoch's last batch), EMA. What changes from step to
+step lives in ``LoopState``; what stays fixed for the run lives in ``Training`` (utils/engine/setup.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from utils.core import dist
+from utils.core.errors import UserError
+from utils.engine.hooks import Checkpointer, RunPlots, SaveClock
+from utils.engine.setup import Training
+
+
+@dataclass
+class LoopState:
+    """What one step hands to the next, and one epoch to the next (checkpointed as needed)."""
+
+    epoch: int  # the epoch being trained (0-based)
+    first_batch: int = 0  # a run resumed from a mid-epoch checkpoint starts its first epoch here
+    mloss: torch.Tensor | None = None  # ... with the running mean loss saved with it
+    last_opt_step: int = -1  # integrated batch index of the last optimizer step
+    accumulate: int = 1  # batches per optimizer step (ramped up during warmup)
+    best_fitness: float = 0.0
+    metrics: object | None = None  # DetectionMetrics of the last validation
+    epoch_seconds: list[float] = field(default_factory=list)  # finished epochs' wall times, for the ETA
+    t_start: float = field(default_factory=time.time)  # when this process started training
+
+    @classmethod
+    def start(cls, t: Training) -> LoopState:
+        """A fresh run's state, or a resumed one's (at the saved epoch and batch)."""
+        s = t.start
+        nb = len(t.train_loader)
+        return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
+                   last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
+                   best_fitness=s.best_fitness)
+
+
+def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointer: Checkpointer,
+                    plots: RunPlots) -> torch.Tensor:
+    """One pass over this rank's shard; returns the mean loss items averaged over ranks."""
+    t.model.train()
+    epoch, first = state.epoch, state.first_batch
+    nb = first + len(t.train_loader)
+    mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
+    state.first_batch, state.mloss = 0, None
+    bar = ProgressBar(t, state, first, nb)
+    for i, batch in bar.enumerate(t.train_loader, first):
+        ni = i + nb * epoch  # integrated batch count since the start of training
+        imgs = prepare_images(t, batch)
+        if t.opt.multi_scale:
+            imgs = rescale_batch(imgs, t.imgsz, t.grid, t.opt.seed, epoch=epoch, i=i)
+        t.warmup.apply(t.optimizer, ni, t.lr_lambda, epoch)
+        if ni <= t.warmup.iters:
+            state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
+        plots.train_batch(batch, ni)
+        with torch.autocast(t.device.type, enabled=t.amp):
+            pred = t.model(imgs)
+            loss, loss_items = t.criterion(pred, batch.targets.to(t.device))
+        clock.pending |= check_step(loss_items, epoch, i, t.info, clock.due(t.info), t.criterion.loss_names)
+        mloss = (mloss * i + loss_items) / (i + 1)
+        backward(t, loss)
+        # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
+        # gradients, so a resumed run continues exactly where the interrupted one would have.
+        if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
+            optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
+            state.last_opt_step = ni
+            if clock.pending and i < nb - 1:  # the epoch's end saves anyway
+                clock.restart()
+                checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
+        bar.update(i, mloss, batch, imgs)
+    return dist.reduce_mean(mloss).cpu()
+
+
+def prepare_images(t: Training, batch) -> torch.Tensor:
+    """uint8 batch -> float 0-1 on the device, in the run's memory format (no copy in the default one)."""
+    imgs = batch.images.to(t.device, non_blocking=True).float().div_(255)
+    return imgs.contiguous(memory_format=t.memory_format)
+
+
+def backward(t: Training, loss: torch.Tensor) -> None:
+    """Scaled backward. DDP averages gradients over ranks while the loss is a sum over the batch,
+    so the loss is multiplied by the world size to keep the gradient of the global batch."""
+    world = t.info.world_size
+    if world > 1:
+        loss = loss * world
+    t.scaler.scale(loss).backward()
+
+
+def optimizer_step(model, optimizer, scaler, ema) -> None:
+    """Unscale, clip the gradient norm to 10, step, clear the gradients, update the EMA (YOLOv5's order)."""
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    ema.update(model)
+
+
+def check_step(loss_items: torch.Tensor, epoch: int, i: int, info: dist.DistInfo, save_due: bool,
+               loss_names: tuple[str, ...]) -> bool:
+    """One all-reduce per step carries every rank's NaN/inf flag and rank 0's --save-interval clock.
+
+    A non-finite loss on any rank stops every rank at the same step (decided together, so no rank
+    waits in a collective for one that has stopped; earlier checkpoints stay intact). Returns
+    whether a mid-epoch save is due, the same answer on every rank.
+    """
+    world, rank = info.world_size, info.rank
+    flags = torch.zeros(world + 1, device=loss_items.device)
+    flags[rank] = float(not torch.isfinite(loss_items).all())
+    flags[world] = float(save_due)
+    flags = dist.all_reduce_sum(flags)
+    bad = flags[:world]
+    if bad.any():
+        ranks = ", ".join(str(r) for r in bad.nonzero().flatten().tolist())
+        raise UserError(f"epoch {epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) {ranks} "
+                        f"({', '.join(loss_names)} = {[round(v, 4) for v in loss_items.tolist()]}); checkpoints "
+                        "of earlier epochs are intact. Lower lr0 in the hyp yaml, or check the labels.")
+    return bool(flags[world])
+
+
+def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:
+    """--multi-scale: resize the batch to a size in [0.5, 1.5] x imgsz (a multiple of the stride),
+    drawn from (seed, epoch, step) so every rank agrees and a resumed run repeats it. Targets are
+    normalised, so they need no change."""
+    size = int(np.random.default_rng([seed, epoch, i]).integers(int(imgsz * 0.5), int(imgsz * 1.5) + gs)) // gs * gs
+    sf = size / max(imgs.shape[2:])
+    if sf == 1:
+        return imgs
+    shape = [math.ceil(x * sf / gs) * gs for x in imgs.shape[2:]]
+    return torch.nn.functional.interpolate(imgs, size=shape, mode="bilinear", align_corners=False)
+
+
+class ProgressBar:
+    """Rank 0's bar for one epoch: running losses, instances, image size, img/s over all ranks, run ETA."""
+
+    def __init__(self, t: Training, state: LoopState, first: int, nb: int) -> None:
+        self.t, self.state, self.first, self.nb = t, state, first, nb
+        self.t0 = time.monotonic()
+        self.bar: tqdm | None = None
+
+    def enumerate(self, loader, first: int):
+        self.bar = tqdm(enumerate(loader, start=first), total=self.nb, initial=first, disable=not self.t.info.is_main,
+                        bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{self.state.epoch + 1}/{self.t.opt.epochs}")
+        return self.bar
+
+    def update(self, i: int, mloss: torch.Tensor, batch, imgs: torch.Tensor) -> None:
+        if self.bar is None or self.bar.disable:
+            return
+        t, state = self.t, self.state
+        seconds = (time.monotonic() - self.t0) / (i + 1 - self.first)  # per batch, this epoch so far
+        done = state.epoch_seconds
+        per_epoch = sum(done) / len(done) if done else seconds * self.nb  # validation included once known
+        left = seconds * (self.nb - i - 1) + (t.opt.epochs - state.epoch - 1) * per_epoch
+        losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss.tolist()))
+        self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
+                                 f"{len(batch.images) * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
+                                 refresh=False)
+
+
+def _hms(seconds: float) -> str:
+    m, sec = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}"

@@ -1,0 +1,60 @@
+"""What rank 0 says before the first step and after the last: the run's start and end summaries."""
+from __future__ import annotations
+
+import torch
+
+from utils.core.hyp import Hyp
+from utils.core.logging import LOGGER, colorstr
+from utils.engine.checkpoint import load_checkpoint
+from utils.engine.optim import NOMINAL_BATCH
+from utils.engine.setup import Training
+
+
+def log_start_summary(t: Training) -> None:
+    """One block before the first step: where, on what, with which data, model and settings."""
+    info, opt = t.info, t.opt
+    kind = (f"CUDA x {info.world_size} rank(s) on {info.world_size // max(info.local_world_size, 1)} node(s)"
+            if t.device.type == "cuda" else f"CPU x {info.world_size} rank(s), {torch.get_num_threads()} threads each")
+    lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
+             colorstr("Devices: ") + kind,
+             colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
+             f"accumulate {t.accumulate} (nominal {NOMINAL_BATCH}); {len(t.train_loader)} batches per epoch per rank",
+             colorstr("Data: ") + str(t.data.file)]
+    for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
+        c = loader.dataset.counts
+        lines.append(f"  {split:5} {c['images']} images, {c['instances']} instances, {c['backgrounds']} backgrounds, "
+                     f"{c['corrupt']} corrupt")
+    mi = t.model_info
+    lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or 'models/yolov5n.yaml'}: {mi.layers} layers, "
+                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px")
+    changed = hyp_changes(t.hyp)
+    lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
+        "differing from the defaults: " + ", ".join(f"{k}={v:g} (default {d:g})" for k, (v, d) in changed.items())
+        if changed else "all YOLOv5 scratch-low defaults"))
+    epoch, batches = t.start.epoch, t.start.batches_done
+    where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
+    lines.append(f"Training {opt.epochs} epochs of {t.imgsz} px images"
+                 + (f", resuming at {where}" if epoch or batches else ""))
+    LOGGER.info("\n".join(lines))
+
+
+def hyp_changes(hyp: Hyp) -> dict[str, tuple[float, float]]:
+    """Hyperparameters that differ from the defaults: name -> (value, default)."""
+    default = Hyp().as_dict()
+    return {k: (v, default[k]) for k, v in hyp.as_dict().items() if v != default[k]}
+
+
+def log_end_summary(t: Training, epochs_done: int, seconds: float) -> None:
+    """Time, the best epoch and its metrics, where the files are, and the val.py command that repeats them."""
+    weights = t.weights_dir
+    best, last = weights / "best.pt", weights / "last.pt"
+    m = load_checkpoint(best)["metrics"] if best.exists() else {}
+    scores = (f": P {m['mp']:.3f} R {m['mr']:.3f} mAP50 {m['map50']:.4f} mAP50-95 {m['map']:.4f}" if m else "")
+    pictures = sorted(p.name for p in t.save_dir.iterdir() if p.suffix in (".png", ".jpg"))
+    LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours ({seconds:.0f} s); best epoch "
+                f"{t.stopper.best_epoch + 1}{scores}\nCheckpoints: {best}, {last}\n"
+                f"Results: {t.save_dir / 'results.csv'}"
+                + (f"\nPlots in {t.save_dir}: {', '.join(pictures)}" if pictures else "")
+                + f"\nReproduce the best epoch's metrics with:\n"
+                f"  python val.py --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
+                f"--batch-size {t.opt.val_batch_size}")
