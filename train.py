@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
     p.add_argument("--channels-last", action="store_true",
-                   help="NHWC memory format (about 1.25x faster steps on CPU here; rounding differs from NCHW)")
+                   help="NHWC memory format (faster oneDNN convolutions on CPU; rounding differs from NCHW)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")

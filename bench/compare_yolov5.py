@@ -27,7 +27,8 @@ after every epoch (val batch 32 = YOLOv5's 2 x batch), autoanchor on in both.
 
 Method: each tool runs inside a small timing shim (written to the work dir, run with that tool's
 interpreter) that calls the tool's own entry point unchanged and records wall-clock stamps:
-  ours    train.train_one_epoch and val.run are wrapped (train.py calls both through their module)
+  ours    train.train_one_epoch and train.evaluate_model are wrapped (train.py calls both by
+          those module-level names; evaluate_model is utils/eval/evaluate.py's, the validation pass)
   yolov5  its Callbacks 'on_train_epoch_start' / 'on_train_epoch_end' hooks, and yolov5.val.run
 so "train s/epoch" is the batch loop of one epoch and "val s/epoch" the validation pass after it
 (YOLOv5's extra validation of best.pt after training is reported separately, not averaged in).
@@ -92,9 +93,9 @@ def save(extra):
 if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
-    import torch, train, val
+    import torch, train
     wrap(train, "train_one_epoch", "train")
-    wrap(val, "run", "val")
+    wrap(train, "evaluate_model", "val")
     rc = train.cli(argv)
     save({"threads": torch.get_num_threads()})
     sys.exit(rc)
@@ -250,8 +251,8 @@ def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], folde
 def epoch_times(run: dict) -> tuple[list[float], list[float], float]:
     """Per-epoch train and val seconds, and the validation after training (YOLOv5's best.pt pass).
 
-    The val counted for epoch k is the first val.run that starts after epoch k's training ended
-    and before epoch k + 1's began.
+    The val counted for epoch k is the first validation (ours: evaluate_model, yolov5: val.run)
+    that starts after epoch k's training ended and before epoch k + 1's began.
     """
     ev = sorted(run["events"], key=lambda e: e["start"])
     trains = [e for e in ev if e["what"] == "train"]

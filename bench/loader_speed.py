@@ -21,7 +21,8 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.core.hyp import load_hyp
+from utils.core.dist import DistInfo  # noqa: E402
+from utils.core.hyp import load_hyp  # noqa: E402
 from utils.data.config import load_data_config, prepare_dataset  # noqa: E402
 from utils.data.imgcache import release_ram_caches  # noqa: E402
 from utils.data.loader import create_dataloader  # noqa: E402
@@ -29,8 +30,8 @@ from utils.data.loader import create_dataloader  # noqa: E402
 
 def loader_rate(data, hyp, imgsz: int, batch: int, workers: int, cache: str | None, batches: int) -> float:
     """Steady-state images/s of the training loader (first batch excluded: worker start-up)."""
-    loader, _ = create_dataloader(data.train, imgsz, batch, 32, hyp=hyp, augment=True, shuffle=True,
-                                  workers=workers, nc=data.nc, cache=cache, seed=0, prefix="")
+    loader = create_dataloader(data.train, imgsz, batch, 32, info=DistInfo(), hyp=hyp, augment=True, shuffle=True,
+                               workers=workers, nc=data.nc, cache=cache, seed=0, prefix="")
     loader.sampler.set_epoch(0)
     it = iter(loader)
     next(it)
@@ -49,9 +50,10 @@ def loader_rate(data, hyp, imgsz: int, batch: int, workers: int, cache: str | No
 
 def model_rate(imgsz: int, batch: int, steps: int = 5) -> float:
     """Training images/s of yolov5n (forward + loss-free backward) on this CPU, for comparison."""
+    from models.parse import MODELS_DIR
     from models.yolo import Model
 
-    model = Model(ROOT / "models" / "yolov5n.yaml", nc=6).train()
+    model = Model(MODELS_DIR / "yolov5n.yaml", nc=6).train()
     x = torch.rand(batch, 3, imgsz, imgsz)
     sum(p.sum() for p in model(x)).backward()  # warm-up
     t0 = time.perf_counter()

@@ -23,8 +23,8 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 
 from data.shapes import generate_shapes  # noqa: E402
 from utils.core.cli import ArgumentParser, Range  # noqa: E402
-from utils.data.labels import (cache_paths, format_summary, img2label_paths, load_or_scan,  # noqa: E402
-                          resolve_image_files, scan_labels)
+from utils.data.labelcache import cache_paths, load_or_scan  # noqa: E402
+from utils.data.labels import format_summary, img2label_paths, resolve_image_files, scan_labels  # noqa: E402
 
 NC = 6  # classes in the shapes dataset
 

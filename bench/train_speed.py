@@ -7,28 +7,36 @@
     python bench/train_speed.py --models n --imgsz 320 --scaling 2   # 1 process, then 2, and the efficiency
     python bench/train_speed.py --models n --imgsz 320 --profile torch   # where the step's time goes
 
-Each configuration is trained the way train.py trains it, from the same building blocks: the
-built-in shapes dataset through ``create_dataloader`` (mosaic etc. from hyp.scratch-low.yaml,
-train.py's default workers), ``smart_optimizer`` (SGD), ``ModelEMA``, ``ComputeLoss`` with
-train.py's gain scaling, its per-step NaN all-reduce, AMP + GradScaler on CUDA, DDP under torchrun,
-gradient clipping and accumulation to train.py's nominal batch of 64 (an optimizer step every
-``accumulate`` batches, as after warmup). Left out: the LR/momentum warmup, autoanchor,
---multi-scale, checkpoints, validation and the progress bar (whose loss formatting reads the
-device every step on rank 0: free on CPU, a sync on CUDA, so CUDA figures here are a bound
-train.py does not quite reach). The NaN check is a local copy of train.py's (same all-reduce
-and host read) because that helper is still changing.
+Each configuration is set up by train.py's own builder: ``utils.engine.setup.build_training`` on
+arguments parsed by ``train.build_parser()`` (--cfg models/yolov5<size>.yaml, this script's --data,
+--hyp, --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last; --epochs 1,
+--noautoanchor, --noplots, the run folder in a temporary directory that is removed afterwards).
+So the loader (mosaic etc. from hyp.scratch-low.yaml), model, optimizer, EMA, loss, AMP +
+GradScaler on CUDA and DDP under torchrun are exactly train.py's. Each step is train_one_epoch's,
+from the loop's shared pieces (utils/engine/loop.py): ``prepare_images``, forward and
+``criterion`` under autocast, ``check_step`` (the per-step NaN all-reduce), ``backward``, and
+``optimizer_step`` (clip, step, EMA) every ``accumulate`` batches, as after warmup (train.py's
+nominal batch of 64, unless --accumulate). Every timed epoch has mosaic on (the run's last
+close_mosaic epochs, without it, are not measured). Left out: the LR/momentum warmup and its
+accumulate ramp, autoanchor, --multi-scale, the running mean loss, the first-batch pictures,
+mid-epoch and epoch-end checkpoints, the epoch's closing optimizer step, validation and the
+progress bar (whose loss formatting reads the device every step on rank 0: free on CPU, a sync
+on CUDA, so CUDA figures here are a bound train.py does not quite reach).
 
-Flags that measure proposals rather than train.py as it is: --threads N (intra-op threads per
-rank), --ddp-no-sync (no gradient all-reduce on accumulation steps), --accumulate.
---channels-last measures train.py's flag of that name.
+Flags that measure proposals rather than train.py as it is: --ddp-no-sync (no gradient
+all-reduce on accumulation steps) and --accumulate (the optimizer-step interval only; the weight
+decay stays train.py's for the batch, which costs the same). --threads and --channels-last
+measure train.py's flags of those names. The val loader is built, as train.py builds it, but
+never read.
 
 Figures:
   img/s      images per second summed over all ranks, over the timed steps only (warm-up steps
              start the loader workers and fill allocator caches). The timed window is the
              slowest rank's, so a straggler counts.
-  breakdown  mean ms per step of each phase: data (waiting for the loader), prep (copy to
-             device, /255), forward, loss (target building + loss), nan-check (train.py's
-             per-step all-reduce of a NaN flag), backward (includes DDP's gradient all-reduce),
+  breakdown  mean ms per step of each phase: data (waiting for the loader), prep (images to
+             the device, /255, memory format), forward, loss (targets to the device, target
+             building + loss), nan-check (check_step: the per-step all-reduce of a NaN flag and
+             its host read), backward (includes DDP's gradient all-reduce),
              optim (unscale, clip, SGD step, zero_grad, EMA; amortised over accumulate steps).
              On CUDA the device is synchronised at each phase boundary, only here, so phases do
              not overlap as they would in train.py; --no-sync times the whole step only.
@@ -199,47 +207,48 @@ def _batches(loader) -> Iterator[Any]:
         epoch += 1
 
 
-def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
-    """Build the training set-up train.py builds for one model and image size, and time its steps."""
-    from models.yolo import Model, de_parallel
-    from train import init_seeds, loss_hyp, optimizer_step
-    from utils.core import dist
-    from utils.core.hyp import load_hyp
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.loader import create_dataloader
-    from models.heads.anchor_loss import ComputeLoss
-    from utils.engine.optim import NOMINAL_BATCH, ModelEMA, accumulate_steps, smart_optimizer
+def train_opt(size: str, imgsz: int, opt: argparse.Namespace, project: str) -> argparse.Namespace:
+    """train.py's own arguments for one configuration, parsed by train.py's parser (its defaults and checks)."""
+    import train
 
-    with dist.torch_distributed_zero_first(info.local_rank):
-        data = load_data_config(opt.data)
-        prepare_dataset(data)
-    hyp = load_hyp(opt.hyp)
-    init_seeds(opt.seed)
-    model = Model(ROOT / "models" / f"yolov5{size}.yaml", nc=data.nc, anchors=data.anchors).to(device)
-    memory_format = torch.channels_last if opt.channels_last else torch.contiguous_format
-    model.to(memory_format=memory_format)  # as train.py: before EMA and DDP copy it
-    gflops = model.info(imgsz).gflops  # forward, per image, at imgsz (thop)
-    gs = max(int(model.stride.max()), 32)
-    batch = opt.batch_size // info.world_size
-    loader, _ = create_dataloader(data.train, imgsz, batch, gs, hyp=hyp, augment=True, shuffle=True,
-                                  rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
-                                  workers=opt.workers, seed=opt.seed, nc=data.nc, prefix="train: ")
-    accumulate = opt.accumulate or accumulate_steps(opt.batch_size)
+    argv = ["--data", opt.data, "--hyp", opt.hyp, "--cfg", str(ROOT / "models" / f"yolov5{size}.yaml"),
+            "--imgsz", str(imgsz), "--batch-size", str(opt.batch_size), "--workers", str(opt.workers),
+            "--threads", str(opt.threads), "--seed", str(opt.seed), "--device", opt.device, "--epochs", "1",
+            "--noautoanchor", "--noplots", "--project", project, "--name", f"yolov5{size}-{imgsz}", "--exist-ok"]
+    return train.build_parser().parse_args(argv + (["--channels-last"] if opt.channels_last else []))
+
+
+def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
+    """Build train.py's set-up for one model and image size (``build_training``), and time its steps."""
+    from utils.engine.setup import build_training
+
+    with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
+        t = build_training(train_opt(size, imgsz, opt, project), info, device, ckpt=None)
+        # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
+        t.train_loader.dataset.mosaic_off_from_epoch = None
+        try:
+            return time_steps(t, size, opt)
+        finally:
+            del t  # ends the persistent loader workers before the next configuration
+
+
+def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
+    """Warm-up steps, then the timed ones: train_one_epoch's step from the loop's own pieces, a timer
+    between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
+    from utils.core import dist
+    from utils.engine.loop import backward, check_step, optimizer_step, prepare_images
+
+    device, info, model = t.device, t.info, t.model
+    world = info.world_size
+    accumulate = opt.accumulate or t.accumulate
     # whole accumulation cycles, so the timed window holds its fair share of optimizer steps
     warmup_steps, steps = (-(-n // accumulate) * accumulate for n in (opt.warmup, opt.steps))
-    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
-    optimizer = smart_optimizer(model, "SGD", hyp.lr0, hyp.momentum, decay)
-    ema = ModelEMA(model)
-    amp = device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=amp)
-    model = dist.smart_DDP(model, device)
-    compute_loss = ComputeLoss(model, loss_hyp(hyp, de_parallel(model).detect.nl, data.nc, imgsz))
+    gflops = t.model_info.gflops * (t.imgsz / t.opt.imgsz) ** 2  # forward, per image (thop), at the size trained
     model.train()
-    world = info.world_size
     sync = _syncer(device, not opt.no_sync)
     totals = dict.fromkeys(PHASES, 0.0)
-    batches = _batches(loader)
-    profiler, wall = None, 0.0
+    batches = _batches(t.train_loader)
+    profiler, t_start = None, 0.0
     for k in range(warmup_steps + steps):
         timed = k >= warmup_steps
         if k == warmup_steps:
@@ -248,10 +257,9 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
             profiler = _start_profiler(opt.profile, device)
             t_start = time.perf_counter()
         t0 = time.perf_counter()
-        b = next(batches)
+        batch = next(batches)
         t1 = time.perf_counter()
-        imgs = b.images.to(device, non_blocking=True).float().div_(255).contiguous(memory_format=memory_format)
-        targets = b.targets.to(device)
+        imgs = prepare_images(t, batch)
         sync()
         t2 = time.perf_counter()
         step_now = (k + 1) % accumulate == 0
@@ -259,22 +267,20 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
         # the accumulation steps that do not end in an optimizer step; no_sync covers forward+backward.
         skip_sync = opt.ddp_no_sync and world > 1 and not step_now
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with torch.autocast(device.type, enabled=amp):
+            with torch.autocast(device.type, enabled=t.amp):
                 pred = model(imgs)
                 sync()
                 t3 = time.perf_counter()
-                loss, loss_items = compute_loss(pred, targets)
+                loss, loss_items = t.criterion(pred, batch.targets.to(device))
                 sync()
             t4 = time.perf_counter()
-            nan_check(loss_items, world)
+            check_step(loss_items, 0, k, info, False, t.criterion.loss_names)
             t5 = time.perf_counter()
-            if world > 1:
-                loss = loss * world  # as train.py: DDP averages gradients, YOLOv5's loss is a batch sum
-            scaler.scale(loss).backward()
+            backward(t, loss)
             sync()
         t6 = time.perf_counter()
         if step_now:
-            optimizer_step(model, optimizer, scaler, ema)
+            optimizer_step(model, t.optimizer, t.scaler, t.ema)
             sync()
         t7 = time.perf_counter()
         if timed:
@@ -283,39 +289,20 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
     _sync_all(device)
     wall = time.perf_counter() - t_start
     profile_text = _stop_profiler(profiler, opt.profile, opt.profile_rows, device)
-    del batches, loader  # ends the persistent workers before the next configuration
+    batches.close()
     parts = dist.all_gather_object({"wall": wall, "totals": totals, "threads": torch.get_num_threads(),
-                                    "workers": _loader_workers(opt.workers, batch, world), "profile": profile_text})
+                                    "workers": t.train_loader.num_workers, "profile": profile_text})
     if not info.is_main:
         return None
     slowest = max(p["wall"] for p in parts)
     ms = {name: 1e3 * sum(p["totals"][name] for p in parts) / len(parts) / steps for name in PHASES}
     for r, p in enumerate(parts):
         if p["profile"]:
-            print(f"\n--- profile, yolov5{size} {imgsz}px, rank {r} ---\n{p['profile']}")
-    return Result(model=f"yolov5{size}", imgsz=imgsz, world_size=world, batch=batch * world,
+            print(f"\n--- profile, yolov5{size} {t.imgsz}px, rank {r} ---\n{p['profile']}")
+    return Result(model=f"yolov5{size}", imgsz=t.imgsz, world_size=world, batch=t.batch * world,
                   threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
-                  steps=steps, img_s=steps * batch * world / slowest, ms=ms,
+                  steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type)
-
-
-def nan_check(loss_items: torch.Tensor, world: int) -> None:
-    """What train.py's per-step check costs: one all-reduce of a per-rank flag vector, then a host read.
-
-    Kept here rather than imported because train.py's helper also carries its save clock and its
-    name has changed; the communication and the device-to-host read are the same.
-    """
-    from utils.core import dist
-
-    flags = torch.zeros(world + 1, device=loss_items.device)
-    flags[dist.get_rank()] = float(not torch.isfinite(loss_items).all())
-    if dist.all_reduce_sum(flags)[:world].any():
-        raise SystemExit(f"non-finite loss {loss_items.tolist()}")
-
-
-def _loader_workers(workers: int, batch: int, world: int) -> int:
-    """The worker count create_dataloader chooses (it caps by cores per rank and batch)."""
-    return min((os.cpu_count() or 1) // max(world, 1), batch if batch > 1 else 0, workers)
 
 
 def _sync_all(device: torch.device) -> None:

@@ -6,18 +6,23 @@
     python bench/val_speed.py --model s --imgsz 640 --batch-size 16 --device cpu
 
 Runs val.py's own ``main`` in this process, unchanged, and times it from outside by wrapping a
-few of val.py's module-level names (each is looked up when called, so the wrapper sees every
-call; a name val.py no longer has is reported as n/a instead of failing):
+few module-level names that val.py and the evaluation library call (each is looked up when called,
+so the wrapper sees every call; a name no longer there is reported as n/a instead of failing):
 
-  end-to-end   val.main: parse -> load checkpoint -> data -> loader -> run() -> results
-  set-up       end-to-end minus run(): checkpoint, dataset yaml, label cache, loader + workers
-  data wait    time run() spent waiting for the next batch (the loader is wrapped)
-  pre-process, inference, NMS   val.py's own per-image figures (ValResult.speed_ms)
+  end-to-end   val.main: parse -> load checkpoint -> data -> loader -> evaluate_model -> files
+  set-up       end-to-end minus evaluate_model and plots: checkpoint, dataset yaml, label cache,
+               loader, fuse, metrics.json (written with the plots)
+  data wait    time evaluate_model spent waiting for the next batch, worker start-up included
+               (val.py's loader is wrapped)
+  pre-process, inference, NMS   the evaluation's own per-image figures (EvalResult.speed_ms,
+               first batch left out) x the images, so "other" absorbs their difference from the
+               actual seconds (negative when the machine's load changed during the run)
   matching     utils.eval.metrics.match_image, per image, inside the loop
   evaluate     utils.eval.metrics.evaluate, once at the end (COCO accumulation)
-  plots        val.py's plot_images / plot_curves / plot_confusion_matrix (off with --noplots)
-  other        the rest of run(): model fuse + copy, the untimed warm-up batch, mapping boxes back
-               to original pixels, confusion matrix, gather/broadcast, progress bar
+  plots        val.py's save_eval_plots: batch pictures, curves, confusion matrix (off with --noplots)
+  other        the rest of evaluate_model: eval mode and layout, the first batch (left out of
+               val.py's speed figures), mapping boxes back to original pixels, confusion matrix,
+               gather/broadcast, progress bar
 
 Without --weights a freshly initialised model (seeded) is saved to a temporary checkpoint: no
 download, but an untrained model emits few boxes above conf 0.001, so NMS and matching are
@@ -49,6 +54,7 @@ class Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self._originals: list[tuple[Any, str, Any]] = []
 
     def wrap(self, module: Any, name: str, label: str) -> bool:
         """Replace ``module.name`` by a timed call of the same function; False if it does not exist."""
@@ -64,8 +70,19 @@ class Timers:
                 self.seconds[label] += time.perf_counter() - t
                 self.calls[label] += 1
 
-        setattr(module, name, timed)
+        self.replace(module, name, timed)
         return True
+
+    def replace(self, module: Any, name: str, value: Any) -> None:
+        """Set ``module.name``, remembering the original for ``restore``."""
+        self._originals.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def restore(self) -> None:
+        """Put every replaced name back (last replaced first)."""
+        while self._originals:
+            module, name, value = self._originals.pop()
+            setattr(module, name, value)
 
 
 class TimedLoader:
@@ -73,6 +90,7 @@ class TimedLoader:
 
     def __init__(self, loader: Any, timers: Timers) -> None:
         self._loader, self._timers = loader, timers
+        self.dataset = loader.dataset
 
     def __iter__(self):
         it = iter(self._loader)
@@ -95,13 +113,14 @@ class TimedLoader:
 
 def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) -> Path:
     """A seeded, untrained model saved as val.py expects a training checkpoint."""
+    from models.parse import MODELS_DIR
     from models.yolo import Model
-    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint, to_plain
     from utils.data.config import load_data_config
+    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint, to_plain
 
     names = load_data_config(data).names
     torch.manual_seed(seed)
-    model = Model(ROOT / "models" / f"yolov5{size}.yaml", nc=len(names))
+    model = Model(MODELS_DIR / f"yolov5{size}.yaml", nc=len(names))
     state = fp32_state_dict(model)
     path = folder / f"fresh_yolov5{size}.pt"
     save_checkpoint({"epoch": -1, "model_yaml": to_plain(model.yaml), "model": state, "ema": state,
@@ -109,70 +128,55 @@ def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) 
     return path
 
 
-def instrument(val: Any, timers: Timers) -> list[str]:
-    """Wrap val.py's names; returns the labels that could not be wrapped."""
-    from utils.data.loader import create_dataloader
-
-    def timed_loader(*args, **kwargs):
-        loader, dataset = create_dataloader(*args, **kwargs)
-        return TimedLoader(loader, timers), dataset
+def instrument(timers: Timers) -> list[str]:
+    """Wrap the names val.py and the evaluation call; returns the labels that could not be wrapped."""
+    import utils.eval.evaluate as evaluation
+    import val
 
     missing = []
-    if hasattr(val, "create_dataloader"):
-        val.create_dataloader = timed_loader
+    create = getattr(val, "create_dataloader", None)
+    if create is not None:
+        timers.replace(val, "create_dataloader", lambda *args, **kwargs: TimedLoader(create(*args, **kwargs), timers))
     else:
         missing.append("data wait")
-    for name, label in (("run", "run"), ("match_image", "matching"), ("evaluate", "evaluate"),
-                        ("plot_images", "plots"), ("plot_curves", "plots"), ("plot_confusion_matrix", "plots")):
-        if not timers.wrap(val, name, label) and label not in missing:
+    for module, name, label in ((val, "evaluate_model", "evaluation"), (evaluation, "match_image", "matching"),
+                                (evaluation, "evaluate", "evaluate"), (val, "save_eval_plots", "plots")):
+        if not timers.wrap(module, name, label):
             missing.append(label)
-    if "plots" in missing and any(hasattr(val, n) for n in ("plot_images", "plot_curves", "plot_confusion_matrix")):
-        missing.remove("plots")  # some plot functions wrapped: the figure is partial but meaningful
+    if "evaluation" in missing:  # both are differences with the evaluation's time
+        missing += ["set-up", "other"]
     return missing
 
 
-def supports(argv: list[str]) -> bool:
-    """Whether this val.py accepts these arguments (val.py's flags are still growing)."""
-    import contextlib
-    import io
-
-    import val
-
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            val.parse_opt(["--weights", "x.pt", *argv])
-        except SystemExit:
-            return False
-    return True
-
-
 def one_run(argv: list[str]) -> dict[str, Any]:
-    """val.main once (fresh module state for the wrappers); returns its figures in seconds."""
-    import importlib
-
+    """val.main once, with fresh timers; returns its figures in seconds."""
     import val
 
-    val = importlib.reload(val)  # undo the previous run's wrappers
     timers = Timers()
-    missing = instrument(val, timers)
-    t = time.perf_counter()
-    result = val.main(val.parse_opt(argv))[0]
-    total = time.perf_counter() - t
+    try:
+        missing = instrument(timers)
+        t = time.perf_counter()
+        result = val.main(val.parse_opt(argv))[0]
+        total = time.perf_counter() - t
+    finally:
+        timers.restore()
     n = result.images
     pre, inf, nms = (v * n / 1e3 for v in result.speed_ms)
     s = timers.seconds
-    run_s = s["run"]
-    known = s["data wait"] + pre + inf + nms + s["matching"] + s["evaluate"] + s["plots"]
-    return {"images": n, "total": total, "run": run_s, "set-up": total - run_s, "data wait": s["data wait"],
-            "pre-process": pre, "inference": inf, "NMS": nms, "matching": s["matching"], "evaluate": s["evaluate"],
-            "plots": s["plots"], "other": run_s - known, "missing": missing, "map": result.metrics.map, "map50": result.metrics.map50}
+    known = s["data wait"] + pre + inf + nms + s["matching"] + s["evaluate"]
+    return {"images": n, "total": total, "evaluation": s["evaluation"],
+            "set-up": total - s["evaluation"] - s["plots"], "data wait": s["data wait"], "pre-process": pre,
+            "inference": inf, "NMS": nms, "matching": s["matching"], "evaluate": s["evaluate"], "plots": s["plots"],
+            "other": s["evaluation"] - known, "missing": missing, "map": result.metrics.map,
+            "map50": result.metrics.map50}
 
 
 def format_run(k: int, r: dict[str, Any]) -> str:
-    parts = ("set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "plots", "other")
+    parts = ("set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "other", "plots")
     n = max(r["images"], 1)
     lines = [f"run {k}: {r['images']} images, end-to-end {r['total']:.2f}s = {n / r['total']:.1f} img/s "
-             f"(run() alone {n / r['run']:.1f} img/s); mAP50 {r['map50']:.4f} mAP50-95 {r['map']:.4f}"]
+             f"(evaluate_model alone {n / max(r['evaluation'], 1e-9):.1f} img/s); "
+             f"mAP50 {r['map50']:.4f} mAP50-95 {r['map']:.4f}"]
     for p in parts:
         v, total = r[p], r["total"]
         if p in r["missing"]:
@@ -206,9 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         weights = a.weights or str(fresh_checkpoint(a.model, a.imgsz, a.data, a.seed, Path(tmp)))
         val_argv = ["--weights", weights, "--data", a.data, "--imgsz", str(a.imgsz), "--batch-size",
                     str(a.batch_size), "--workers", str(a.workers), "--device", a.device]
-        out = ["--project", str(Path(tmp) / "runs"), "--exist-ok"]  # val.py's result files go to the temp dir
-        val_argv += out if supports(out) else []
-        val_argv += ["--noplots"] if a.noplots and supports(["--noplots"]) else []
+        val_argv += ["--project", str(Path(tmp) / "runs"), "--exist-ok"]  # val.py's result files go to the temp dir
+        val_argv += ["--noplots"] if a.noplots else []
         val_argv += ["--channels-last"] if a.channels_last else []
         print(f"val.py {' '.join(val_argv)}  ({torch.get_num_threads()} threads)", flush=True)
         runs = [one_run(val_argv) for _ in range(a.runs)]

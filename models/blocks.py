@@ -57,8 +57,7 @@ class Conv(nn.Module):
         """The activation; out of place while autograd records it.
 
         For an in-place SiLU autograd must keep the input for the backward, so it clones it: a
-        full extra copy of every activation per training step (about 3% of a CPU step for
-        yolov5n) that saves no memory. The same kernel out of place gives bit-identical values
+        full extra copy of every activation per training step that saves no memory. The same kernel out of place gives bit-identical values
         and gradients; in-place stays for inference (no autograd), where it does save work.
         """
         if type(self.act) is nn.SiLU and self.act.inplace and x.requires_grad:

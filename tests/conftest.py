@@ -1,4 +1,7 @@
-"""Shared fixtures: the repo root on sys.path and a tiny generated dataset."""
+"""Shared fixtures: the repo root, a subprocess environment and a tiny generated dataset.
+
+The repo is importable through pyproject.toml's pytest ``pythonpath``, so nothing here edits sys.path.
+"""
 from __future__ import annotations
 
 import os
@@ -8,8 +11,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 PYTHON = sys.executable
 
 

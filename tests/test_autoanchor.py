@@ -13,6 +13,7 @@ import torch
 
 from models.heads.anchor import resample_anchors
 from models.yolo import Model
+from utils.core.hyp import Hyp
 from utils.engine import autoanchor
 from utils.engine.autoanchor import (
     AnchorFit,
@@ -25,7 +26,6 @@ from utils.engine.autoanchor import (
     set_anchors,
 )
 from utils.core.errors import UserError
-from models.heads.anchor_loss import ComputeLoss
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]
@@ -71,12 +71,6 @@ def fake_dataset(kind: str, n_img: int = 200, seed: int = 0) -> types.SimpleName
         labels.append(np.c_[cls, np.full(m, 0.5), np.full(m, 0.5), bw / w, bh / h].astype(np.float32))
         image_hw.append((h, w))
     return types.SimpleNamespace(labels=labels, image_hw=np.array(image_hw, dtype=np.int32), img_size=640)
-
-
-def make_hyp(**kw: float) -> types.SimpleNamespace:
-    h = dict(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0, label_smoothing=0.0)
-    h.update(kw)
-    return types.SimpleNamespace(**h)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +191,7 @@ def test_forward_and_loss_use_new_anchors(model: Model):
         for c, _, _, bw, bh in lb:
             rows.append([i % 2, c, 0.5, 0.5, bw * w * s / img, bh * h * s / img])
     targets = torch.tensor(rows, dtype=torch.float32)
-    loss_fn = ComputeLoss(model, make_hyp())  # built before the change: must still see new anchors
+    loss_fn = model.detect.build_criterion(Hyp(), imgsz=640)  # built before the change: must still see new anchors
     preds = model.train()(torch.zeros(2, 3, img, img))
     n_before = sum(len(b) for b, *_ in loss_fn.build_targets(preds, targets)[2])
 
@@ -318,7 +312,7 @@ def test_hyp_anchors_count_builds_and_fits_that_many_per_level(caplog):
     np.testing.assert_allclose(model_anchors_px(model), px.reshape(3, 4, 2), rtol=1e-6)
     assert model.yaml["anchors"] == res.anchors_px
     assert torch.equal(Model(copy.deepcopy(model.yaml)).detect.anchors, det.anchors)  # checkpoint rebuild
-    loss, items = ComputeLoss(model, make_hyp())(model.train()(torch.zeros(1, 3, 128, 128)),
+    loss, items = model.detect.build_criterion(Hyp(), imgsz=640)(model.train()(torch.zeros(1, 3, 128, 128)),
                                                 torch.tensor([[0, 1, 0.5, 0.5, 0.3, 0.2]]))
     assert torch.isfinite(loss).all()
 

@@ -115,6 +115,7 @@ def test_defaults_and_aliases_still_parse():
     (["val.py", "--weights", "x.pt", "--conf-thres", "1.5"],
      "ERROR: argument --conf-thres: must be a number from 0 to 1, got '1.5'"),
 ])
+@pytest.mark.slow
 def test_cli_refuses_before_anything_starts(argv, line, tmp_path):
     t0 = time.time()
     p = subprocess.run([sys.executable, *argv, "--project", str(tmp_path / "runs")], cwd=ROOT, env=run_env(),
@@ -126,6 +127,8 @@ def test_cli_refuses_before_anything_starts(argv, line, tmp_path):
     assert time.time() - t0 < 60
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_torchrun_every_rank_refuses(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "train.py", "--batch-size", "0", "--project", str(tmp_path / "runs")],

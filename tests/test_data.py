@@ -456,6 +456,7 @@ def test_report_only_when_there_are_problems(tmp_path, logs):
     assert any("1 dataset problem(s):" in m for m in logs) and not any("listed in" in m for m in logs)
 
 
+@pytest.mark.slow
 def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
     import subprocess
     import sys

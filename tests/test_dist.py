@@ -54,6 +54,8 @@ def _torchrun(tmp_path, mode):
     return p, time.time() - t0
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_zero_first_master_works_first_and_objects_travel(tmp_path):
     p, _ = _torchrun(tmp_path, "ok")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -62,6 +64,8 @@ def test_zero_first_master_works_first_and_objects_travel(tmp_path):
         assert (tmp_path / f"result{r}").read_text() == "[0, 10] decision from rank 0"
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_zero_first_master_failure_stops_every_rank_promptly(tmp_path):
     p, seconds = _torchrun(tmp_path, "fail")
     assert p.returncode != 0
@@ -113,6 +117,8 @@ TRAIN_ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "2", "--
               "--noautoanchor"]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_two_nodes_prepare_data_once_per_node_and_checkpoint_once(tmp_path):
     """Two torchrun agents on this machine as two nodes of 2 ranks each: training completes, each
     node's local rank 0 alone generates/scans the data, and only global rank 0 writes checkpoints."""
@@ -138,6 +144,8 @@ def test_two_nodes_prepare_data_once_per_node_and_checkpoint_once(tmp_path):
     assert torch.load(tmp_path / "mn" / "weights" / "last.pt", weights_only=True)["world_size"] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_srun_style_launch_without_torchrun(tmp_path):
     """Two plain processes given only SLURM's variables (as ``srun --ntasks 2 python train.py``) train together."""
     data, port = _fresh_data(tmp_path), _free_port()

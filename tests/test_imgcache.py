@@ -131,6 +131,8 @@ def test_unknown_mode_is_a_user_error(images):
         imgcache.build_or_open(images, 64, False, "memory")
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_torchrun_two_ranks_one_build(images, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

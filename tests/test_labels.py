@@ -331,6 +331,7 @@ def _misnamed_dataset(tmp_path: Path) -> Path:
 TINY_TRAIN = ["--imgsz", "64", "--batch-size", "4", "--epochs", "1", "--workers", "0"]
 
 
+@pytest.mark.slow
 def test_train_py_refuses_a_split_without_labels(tmp_path):
     import subprocess
     import sys
@@ -347,6 +348,8 @@ def test_train_py_refuses_a_split_without_labels(tmp_path):
     assert "Traceback" not in out and not (tmp_path / "runs" / "exp" / "weights" / "last.pt").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 def test_torchrun_refuses_a_split_without_labels_on_every_rank(tmp_path):
     import subprocess
     import sys

@@ -1,25 +1,29 @@
-"""ComputeLoss: target assignment (anchors + neighbour cells), loss values, and that it trains."""
+"""AnchorLoss (the anchor head's criterion): target assignment (anchors + neighbour cells), loss values, and that it trains."""
 from __future__ import annotations
 
 import math
-import types
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from models.yolo import Model
-from models.heads.anchor_loss import ComputeLoss, smooth_bce
+from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, smooth_bce
+from models.yolo import Model, de_parallel
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 IMG = 128  # level 0 is a 16x16 grid, stride 8
 
 
-def make_hyp(**kw: float) -> types.SimpleNamespace:
+def make_hyp(**kw: float) -> AnchorLossGains:
     h = dict(box=0.05, obj=1.0, cls=0.5, cls_pw=1.0, obj_pw=1.0, anchor_t=4.0, fl_gamma=0.0, label_smoothing=0.0)
     h.update(kw)
-    return types.SimpleNamespace(**h)
+    return AnchorLossGains(**h)
+
+
+def ComputeLoss(model: nn.Module, gains: AnchorLossGains) -> AnchorLoss:
+    """The criterion the model's head builds, with these gains as given (no scaling)."""
+    return AnchorLoss(de_parallel(model).detect, gains)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,10 +199,10 @@ def test_hyp_gains_and_options(model: Model) -> None:
     assert (focal[1:] < base[1:]).all() and focal[0] == base[0]  # focal down-weights easy obj/cls
     _, pw = ComputeLoss(model, make_hyp(obj_pw=3.0))(preds, t)
     assert pw[1] > base[1]
-    _, as_dict = ComputeLoss(model, vars(make_hyp()))(preds, t)  # a plain mapping works too
-    assert torch.equal(as_dict, base)
-    with pytest.raises(ValueError, match="anchor_t"):
-        ComputeLoss(model, types.SimpleNamespace(box=0.05, obj=1.0, cls=0.5))
+    _, from_dict = ComputeLoss(model, AnchorLossGains(**vars(make_hyp())))(preds, t)
+    assert torch.equal(from_dict, base)
+    with pytest.raises(TypeError, match="anchor_t"):  # a gain cannot be left out
+        AnchorLossGains(box=0.05, obj=1.0, cls=0.5)
 
 
 def test_wrapped_model_and_live_anchors() -> None:

@@ -11,17 +11,36 @@ import torch
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from utils.eval import metrics
 from utils.eval.metrics import (
     ConfusionMatrix,
     DetectionMetrics,
     ImageStats,
     evaluate,
     iou_thresholds,
-    match_detections,
     match_image,
     pack_stats,
-    unpack_stats,
 )
+
+def match_detections(pred_boxes, pred_scores, pred_cls, gt_boxes, gt_cls, max_det: int = 100):
+    """(keep, correct) of metrics._match for plain lists: what match_image keeps, with indices."""
+    f64 = lambda x, n=None: np.asarray(x, np.float64).reshape(-1, n) if n else np.asarray(x, np.float64).reshape(-1)
+    return metrics._match(f64(pred_boxes, 4), f64(pred_scores), f64(pred_cls).astype(np.int64), f64(gt_boxes, 4),
+                          f64(gt_cls).astype(np.int64), max_det)
+
+
+def unpack_stats(packed: dict[str, np.ndarray]) -> list[ImageStats]:
+    """Inverse of metrics.pack_stats: split flat arrays back into per-image records (a shard as gathered)."""
+    d_at = np.cumsum(packed["n_det"])[:-1]
+    g_at = np.cumsum(packed["n_gt"])[:-1]
+    parts = zip(
+        np.split(np.asarray(packed["correct"], bool).reshape(-1, metrics.N_IOU), d_at),
+        np.split(np.asarray(packed["conf"], np.float64), d_at),
+        np.split(np.asarray(packed["pred_cls"], np.int64), d_at),
+        np.split(np.asarray(packed["gt_cls"], np.int64), g_at),
+    )
+    return [ImageStats(*p) for p in parts] if len(packed["n_det"]) else []
+
 
 NC = 7  # class 3 has GT but is never detected; class 6 is detected but has no GT
 NEVER_DETECTED, NO_GT = 3, 6

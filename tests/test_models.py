@@ -92,7 +92,7 @@ def test_eval_mode_decodes_to_pixels(yolov5n: Model) -> None:
     yolov5n.eval()
     with torch.no_grad():
         pred, raw = yolov5n(torch.rand(2, 3, 128, 128))
-    assert pred.shape == (2, 3 * (16 * 16 + 8 * 8 + 4 * 4), 85)
+    assert pred.shape == (2, 3 * (16 * 16 + 8 * 8 + 4 * 4), 84)  # xywh + 80 class scores (obj x cls)
     assert [tuple(r.shape) for r in raw] == [(2, 3, 16, 16, 85), (2, 3, 8, 8, 85), (2, 3, 4, 4, 85)]
     assert ((pred[..., 4:] >= 0) & (pred[..., 4:] <= 1)).all()
     # one cell by hand: level 1, anchor 2, grid y=3, x=5 (v6 formula)
@@ -101,7 +101,7 @@ def test_eval_mode_decodes_to_pixels(yolov5n: Model) -> None:
     wh = (p[2:4] * 2) ** 2 * det.anchors[1, 2] * 16
     row = pred[1, 3 * 16 * 16 + 2 * 64 + 3 * 8 + 5]
     assert torch.allclose(row[:4], torch.cat((xy, wh)), atol=1e-4)
-    assert torch.allclose(row[4:], p[4:], atol=1e-6)
+    assert torch.allclose(row[4:], p[5:] * p[4], atol=1e-6)
     yolov5n.train()
 
 

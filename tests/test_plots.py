@@ -93,6 +93,7 @@ def test_plot_images_and_labels_on_a_real_batch(tiny_data, tmp_path):
     data = load_data_config(tiny_data)
     prepare_dataset(data)
     loader = create_dataloader(data.train, 96, 6, 32, augment=True, workers=0, shuffle=True, nc=6)
+    dataset = loader.dataset
     batch = next(iter(loader))
     img = _read(plots.plot_images(batch.images, batch.targets, batch.paths, data.names, tmp_path / "train_batch0.jpg"))
     assert min(img.shape[:2]) >= 256 * 2  # 6 images -> 3 x 2 tiles, small images enlarged to 256 px

@@ -13,6 +13,9 @@ import torch
 
 from tests.conftest import ROOT, run_env
 
+pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'` skips them
+
+
 EPOCHS = 4
 ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "1", "--seed", "5",
         "--epochs", str(EPOCHS)]
@@ -168,6 +171,7 @@ def test_resume_auto_starts_then_continues(tiny_data, tmp_path):
     assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
 def test_non_finite_loss_stops_every_rank_with_the_reason(tiny_data, tmp_path, launcher):
     from tests.conftest import ROOT as R
@@ -183,6 +187,7 @@ def test_non_finite_loss_stops_every_rank_with_the_reason(tiny_data, tmp_path, l
     assert not any(f'File "{R / name}' in out for name in ("train.py", "utils", "models"))
 
 
+@pytest.mark.dist
 def test_a_crash_on_one_rank_ends_the_job_promptly_naming_the_rank(tiny_data, tmp_path):
     t0 = time.time()
     p = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "scripts" / "crash_rank1.py"), "--data", str(tiny_data),
@@ -198,6 +203,7 @@ def test_a_crash_on_one_rank_ends_the_job_promptly_naming_the_rank(tiny_data, tm
     assert torch.load(tmp_path / "crash" / "weights" / "last.pt", weights_only=True)["epoch"] == 0  # intact
 
 
+@pytest.mark.dist
 def test_elastic_restart_picks_up_its_own_last_pt(tiny_data, tmp_path):
     """torchrun --max-restarts 1 + --resume auto: the crashed attempt's last.pt is continued."""
     elastic = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -230,6 +236,7 @@ def _workers_of(agent_pid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_path, reference, seed):
     """torchrun --max-restarts: SIGKILL one worker from outside at a random moment after training

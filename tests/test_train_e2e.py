@@ -11,6 +11,9 @@ import torch
 
 from tests.conftest import ROOT, run_env
 
+pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'` skips them
+
+
 TINY = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
 
 
@@ -38,6 +41,7 @@ def _shm_caches() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("yolotrain-")} if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.mark.dist
 def test_ddp_training_writes_one_set_of_files(ddp_run):
     run_dir, p = ddp_run
     assert sorted(f.name for f in (run_dir / "weights").iterdir()) == ["best.pt", "last.pt"]
@@ -71,6 +75,7 @@ def test_val_reproduces_best_epoch_metrics(ddp_run, tiny_data):
     assert abs(map5095 - ckpt["metrics"]["map"]) < 1e-4
 
 
+@pytest.mark.dist
 def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data):
     run_dir, _ = ddp_run
     outs = []
@@ -82,6 +87,7 @@ def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.dist
 def test_bad_data_yaml_is_one_clear_error_on_every_rank(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: nowhere/images\nval: nowhere/images\nnames: [a]\n")
@@ -192,6 +198,7 @@ def test_custom_model_yaml_checkpoint_loads_without_the_file(tiny_data, tmp_path
     assert "Results: mAP50" in p.stdout
 
 
+@pytest.mark.dist
 def test_no_usable_image_stops_every_rank_promptly(tmp_path):
     import time
     for split in ("train", "val"):

@@ -20,6 +20,9 @@ from pycocotools.cocoeval import COCOeval
 
 from tests.conftest import ROOT, run_env
 
+pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'` skips them
+
+
 NAMES = ["circle", "square", "triangle", "star", "cross", "ring"]  # conftest's tiny_data
 TRAIN = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
 # 8 val images in batches of 5: with 3 ranks, rank 0 gets no batch, rank 1 five images, rank 2 three
@@ -89,6 +92,7 @@ def _read_labels(folder: Path) -> dict[str, list[list[str]]]:
     return {f.stem: [row.split() for row in f.read_text().splitlines()] for f in sorted(folder.glob("*.txt"))}
 
 
+@pytest.mark.dist
 def test_world_sizes_give_identical_metrics_and_files(val_runs):
     from utils.data.loader import InferenceSampler
 
@@ -247,7 +251,7 @@ def test_run_folder_rules(tmp_path):
 
 
 class _ReplayModel(torch.nn.Module):
-    """Stands in for a detector: returns prepared raw outputs, one per batch, in loader order."""
+    """Stands in for a detector: returns prepared decoded outputs, one per batch, in loader order."""
 
     def __init__(self, outputs: list[torch.Tensor]) -> None:
         super().__init__()
@@ -275,12 +279,12 @@ def _make_dataset(root: Path, rng: np.random.Generator, n: int = 12, nc: int = 3
 
 
 def _replay_outputs(loader, rng: np.random.Generator, nc: int = 3, per_image: int = 24) -> list[torch.Tensor]:
-    """A good detector's raw output for each batch: jittered copies of each label, some with the
+    """A good detector's decoded output (xywh + class scores) for each batch: jittered copies of each label, some with the
     wrong class, plus random false positives; scores on a 1/20 grid, so many tie across images."""
     outputs = []
     for batch in loader:
         bs, _, hh, ww = batch.images.shape
-        out = torch.zeros(bs, per_image, 5 + nc)
+        out = torch.zeros(bs, per_image, 4 + nc)
         for si in range(bs):
             t = batch.targets[batch.targets[:, 0] == si, 1:].numpy()
             src = np.repeat(np.arange(len(t)), 3)
@@ -293,25 +297,28 @@ def _replay_outputs(loader, rng: np.random.Generator, nc: int = 3, per_image: in
             scores = rng.integers(1, 21, per_image) / 20
             scores[len(src):] *= 0.5  # false positives tend to score lower
             out[si, :, :4] = torch.as_tensor(boxes, dtype=torch.float32)
-            out[si, :, 4] = 1.0
-            out[si, np.arange(per_image), 5 + cls] = torch.as_tensor(scores, dtype=torch.float32)
+            out[si, np.arange(per_image), 4 + cls] = torch.as_tensor(scores, dtype=torch.float32)
         outputs.append(out)
     return outputs
 
 
 def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_path, one_thread):
     """A detector with mAP far from 0, score ties across images and a rect order unlike id order."""
-    import val
+    from utils.core.dist import DistInfo
     from utils.data.loader import create_dataloader
+    from utils.eval.evaluate import EvalOptions, evaluate_model
+    from utils.eval.outputs import save_json
 
     rng = np.random.default_rng(0)
     images = _make_dataset(tmp_path / "ds", rng)
     names = ["a", "b", "c"]
-    loader, dataset = create_dataloader(str(images), 96, 4, 32, rect=True, pad=0.5, workers=0, nc=3)
+    loader = create_dataloader(str(images), 96, 4, 32, rect=True, pad=0.5, workers=0, nc=3)
+    dataset = loader.dataset
     assert dataset.im_files != sorted(dataset.im_files)  # evaluation must not follow the loader's order
     model = _ReplayModel(_replay_outputs(loader, rng))
-    result = val.run(model, loader, torch.device("cpu"), names, fuse=False, save_dir=tmp_path / "out",
-                     save_json=True)
+    result = evaluate_model(model, loader, torch.device("cpu"), names, DistInfo(),
+                            EvalOptions(fuse=False, keep_detections=True))
+    save_json(result.detections, dataset, names, tmp_path / "out")
     assert not model.outputs  # every batch consumed once
     m = result.metrics
     map50, map5095 = _cocoeval(tmp_path / "out" / "ground_truth.json", tmp_path / "out" / "predictions.json")

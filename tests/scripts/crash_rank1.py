@@ -8,17 +8,15 @@ import os
 import sys
 
 import train
-from utils.core import dist
 
 real_epoch = train.train_one_epoch
 
 
-def failing_epoch(*args, **kwargs):
-    epoch = args[8]  # train_one_epoch(model, loader, optimizer, ema, scaler, compute_loss, warmup, lf, epoch, ...)
+def failing_epoch(t, state, *args, **kwargs):
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if first_attempt and dist.get_rank() == 1 and epoch == 1:
+    if first_attempt and t.info.rank == 1 and state.epoch == 1:
         raise RuntimeError("simulated worker failure on rank 1")
-    return real_epoch(*args, **kwargs)
+    return real_epoch(t, state, *args, **kwargs)
 
 
 train.train_one_epoch = failing_epoch

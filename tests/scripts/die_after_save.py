@@ -8,18 +8,18 @@ import os
 import sys
 
 import train
-from utils.core import dist
+from utils.engine import hooks
 
 die_epoch, die_batch = (int(v) for v in sys.argv[2].split(":"))
-real_save = train.save_checkpoint
+real_save = hooks.save_checkpoint  # every checkpoint write goes through the Checkpointer
 
 
 def save_then_die(ckpt, path):
     real_save(ckpt, path)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if first_attempt and dist.get_rank() == 0 and (ckpt["epoch"] + 2, ckpt.get("batches_done")) == (die_epoch, die_batch):
+    if first_attempt and int(os.environ.get("RANK", 0)) == 0 and (ckpt["epoch"] + 2, ckpt.get("batches_done")) == (die_epoch, die_batch):
         os._exit(137)
 
 
-train.save_checkpoint = save_then_die
+hooks.save_checkpoint = save_then_die
 sys.exit(train.cli(sys.argv[3:]))

@@ -10,6 +10,7 @@ import sys
 import data.shapes
 import train
 import utils.data.labelcache
+import utils.engine.hooks
 
 log_file = sys.argv[1]
 
@@ -32,5 +33,5 @@ data.shapes._swap_in = _wrap("generate", data.shapes._swap_in)  # called only wh
 # load_or_scan looks scan_labels up in its own module
 utils.data.labelcache.scan_labels = _wrap("scan", utils.data.labelcache.scan_labels,
                                           lambda files, *a, **k: {"n": len(files)})
-train.save_checkpoint = _wrap("save", train.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
+utils.engine.hooks.save_checkpoint = _wrap("save", utils.engine.hooks.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
 sys.exit(train.cli(sys.argv[2:]))

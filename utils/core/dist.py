@@ -94,11 +94,12 @@ def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank() -> int:
+def _rank() -> int:
+    """The process group's rank, for the collectives below only: the rest of the code reads DistInfo."""
     return dist.get_rank() if is_dist() else 0
 
 
-def get_world_size() -> int:
+def _world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
@@ -185,10 +186,6 @@ def cleanup_distributed() -> None:
     _CPU_GROUP = None
 
 
-def cpu_group():
-    return _CPU_GROUP
-
-
 @contextmanager
 def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
     """Let each node's local rank 0 do the work first (scan, cache, generate) while the others wait.
@@ -228,7 +225,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     """Gather a picklable object from every rank (over the CPU group); world size 1 -> [obj]."""
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * get_world_size()
+    out: list[Any] = [None] * _world_size()
     dist.all_gather_object(out, obj, group=_CPU_GROUP)
     return out
 
@@ -237,7 +234,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Gather to rank ``dst`` only (others get None), over the CPU group."""
     if not is_dist():
         return [obj]
-    out = [None] * get_world_size() if get_rank() == dst else None
+    out = [None] * _world_size() if _rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=_CPU_GROUP)
     return out
 
@@ -262,7 +259,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 def reduce_mean(t: torch.Tensor) -> torch.Tensor:
     """Mean of a tensor over ranks (default group); identity at world size 1."""
-    return all_reduce_sum(t) / get_world_size()
+    return all_reduce_sum(t) / _world_size()
 
 
 def smart_DDP(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

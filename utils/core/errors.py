@@ -9,6 +9,8 @@ import difflib
 import sys
 from collections.abc import Callable, Iterable
 
+from utils.core.logging import LOGGER
+
 
 class UserError(Exception):
     """Bad input from the user: the message must name the file or flag and the problem."""
@@ -25,8 +27,6 @@ def run_entry_point(main: Callable[[], object]) -> int:
 
     Every rank runs this, so each one exits non-zero with the reason instead of hanging.
     """
-    from utils.core.logging import LOGGER
-
     try:
         main()
     except UserError as e:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torchvision
 
 from models.yolo import Model
 from utils.core.errors import UserError
@@ -73,8 +74,6 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def versions() -> dict[str, str]:
-    import torchvision
-
     return to_plain({"format": FORMAT_VERSION, "torch": torch.__version__, "torchvision": torchvision.__version__,
                      "numpy": np.__version__})
 

@@ -79,19 +79,6 @@ def pack_stats(stats: list[ImageStats]) -> dict[str, np.ndarray]:
     }
 
 
-def unpack_stats(packed: dict[str, np.ndarray]) -> list[ImageStats]:
-    """Inverse of pack_stats: split flat arrays back into per-image records."""
-    d_at = np.cumsum(packed["n_det"])[:-1]
-    g_at = np.cumsum(packed["n_gt"])[:-1]
-    parts = zip(
-        np.split(np.asarray(packed["correct"], bool).reshape(-1, N_IOU), d_at),
-        np.split(np.asarray(packed["conf"], np.float64), d_at),
-        np.split(np.asarray(packed["pred_cls"], np.int64), d_at),
-        np.split(np.asarray(packed["gt_cls"], np.int64), g_at),
-    )
-    return [ImageStats(*p) for p in parts] if len(packed["n_det"]) else []
-
-
 def box_iou_coco(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Pairwise IoU (n, m) of xyxy boxes in float64 with COCO's arithmetic (maskApi bbIou).
 
@@ -165,25 +152,15 @@ def _greedy_match(iou: np.ndarray, det_cls: np.ndarray, thr: np.ndarray) -> np.n
     return correct
 
 
-def match_detections(
-    pred_boxes: Any, pred_scores: Any, pred_cls: Any, gt_boxes: Any, gt_cls: Any, max_det: int = 100
+def _match(
+    boxes: np.ndarray, scores: np.ndarray, cls: np.ndarray, gboxes: np.ndarray, gcls: np.ndarray, max_det: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """COCO matching for one image -> (keep (k,) indices into the predictions, correct (k, 10)).
 
     keep lists the detections COCO scores (at most max_det per class), best score first;
-    correct[i, j] says whether detection keep[i] is a true positive at IoU threshold j.
-    Boxes are xyxy in one coordinate frame (IoU is unchanged by uniform letterbox scaling).
+    correct[i, j] says whether detection keep[i] is a true positive at IoU threshold j. Inputs
+    are float64 xyxy boxes and scores in one coordinate frame, int64 classes.
     """
-    boxes, scores = _as_array(pred_boxes, np.float64, 4), _as_array(pred_scores, np.float64)
-    cls = _as_array(pred_cls, np.float64).astype(np.int64)
-    gboxes, gcls = _as_array(gt_boxes, np.float64, 4), _as_array(gt_cls, np.float64).astype(np.int64)
-    return _match(boxes, scores, cls, gboxes, gcls, max_det)
-
-
-def _match(
-    boxes: np.ndarray, scores: np.ndarray, cls: np.ndarray, gboxes: np.ndarray, gcls: np.ndarray, max_det: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """match_detections on arrays already converted to float64 boxes/scores and int64 classes."""
     keep = _keep_order(scores, cls, max_det)
     kcls = cls[keep]
     same = kcls[:, None] == gcls[None, :]
@@ -197,7 +174,7 @@ def _match(
 def match_image(
     pred_boxes: Any, pred_scores: Any, pred_cls: Any, gt_boxes: Any, gt_cls: Any, max_det: int = 100
 ) -> ImageStats:
-    """One image's ImageStats: COCO-matched detections (see match_detections) and GT classes."""
+    """One image's ImageStats: COCO-matched detections (see _match) and GT classes."""
     boxes, scores = _as_array(pred_boxes, np.float64, 4), _as_array(pred_scores, np.float64)
     cls = _as_array(pred_cls, np.float64).astype(np.int64)
     gboxes, gcls = _as_array(gt_boxes, np.float64, 4), _as_array(gt_cls, np.float64).astype(np.int64)

@@ -1,0 +1,66 @@
+"""The layers of docs/architecture.md hold: imports point down, at the top of each file."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+ORDER = ("utils.core", "models", "utils.data", "utils.eval", "utils.engine")  # each may import those before it
+ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
+           "utils.data": {"utils.core", "models", "utils.data", "data"},
+           "utils.eval": {"utils.core", "models", "utils.data", "data", "utils.eval"},
+           "utils.engine": {"utils.core", "models", "utils.data", "data", "utils.eval", "utils.engine"},
+           "data": {"utils.core", "data"}}
+CLIS = ("train", "val")
+
+
+def _layer(module: str) -> str | None:
+    for name in (*ORDER, "data"):
+        if module == name or module.startswith(name + "."):
+            return name
+    return "cli" if module in CLIS else None
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, at top level) for every import of the project's own modules in a file."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out += [(n, id(node) in top) for n in names if _layer(n)]
+    return out
+
+
+def _library_files() -> list[Path]:
+    return sorted(p for d in ("utils", "models", "data") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for path in _library_files():
+        me = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        wrong += [f"{path.relative_to(ROOT)} imports {m}" for m, _ in _imports(path) if _layer(m) not in ALLOWED[me]]
+    assert wrong == []
+
+
+def test_the_leaf_layer_imports_nothing_of_the_project_but_itself():
+    core = sorted((ROOT / "utils" / "core").glob("*.py"))
+    assert core and all(_layer(m) == "utils.core" for p in core for m, _ in _imports(p))
+
+
+def test_project_imports_sit_at_the_top_of_each_file():
+    lazy = [f"{p.relative_to(ROOT)}: {m}" for p in _library_files() + [ROOT / "train.py", ROOT / "val.py"]
+            for m, top in _imports(p) if not top]
+    assert lazy == ["models/heads/anchor_loss.py: models.heads.anchor"]  # TYPE_CHECKING only: the head builds it
+
+
+def test_no_library_module_reads_rank_from_the_environment():
+    readers = [p.relative_to(ROOT).as_posix() for p in _library_files() if "WORLD_SIZE" in p.read_text()]
+    assert readers == ["utils/core/dist.py"]
