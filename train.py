@@ -114,47 +114,6 @@ def main(opt: argparse.Namespace) -> None:
         dist.cleanup_distributed()
 
 
-def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None) -> None:
-    t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
-    plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
-    plots.labels(t.train_loader.dataset)
-    checkpointer = Checkpointer(t.weights_dir, info, opt.save_period)
-    end_epoch, clock = EpochEnd(t, checkpointer), SaveClock(opt.save_interval)
-    if info.is_main:
-        log_start_summary(t)
-    state = LoopState.start(t)
-    for epoch in range(t.start.epoch, opt.epochs):
-        state.epoch, t_epoch = epoch, time.time()
-        t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
-        if epoch == t.train_loader.dataset.mosaic_off_from_epoch:
-            LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
-        mloss = train_one_epoch(t, state, clock, checkpointer, plots)
-        lrs = [g["lr"] for g in t.optimizer.param_groups]
-        t.scheduler.step()
-        result = validate(t, epoch)
-        stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
-        if result is not None and epoch + 1 == opt.epochs:
-            plots.validation(result)
-        clock.restart()
-        state.epoch_seconds.append(time.time() - t_epoch)
-        if stop:
-            break
-    release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
-    checkpointer.finish(strip=not opt.keep_optimizer)
-    if info.is_main:
-        plots.results()
-        log_end_summary(t, state.epoch - t.start.epoch + 1, time.time() - state.t_start)
-
-
-def validate(t: Training, epoch: int) -> EvalResult | None:
-    """The EMA model on the val split, on every rank; --noval validates only the final epoch."""
-    final = epoch + 1 == t.opt.epochs
-    if t.opt.noval and not final:
-        return None
-    options = EvalOptions(channels_last=t.opt.channels_last, keep_batches=3 if final and not t.opt.noplots else 0)
-    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
-
-
 def resolve_resume(opt: argparse.Namespace) -> dict | None:
     """Find the checkpoint to continue and restore the run's saved arguments into opt.
 
@@ -201,6 +160,47 @@ def _same_arg(given, saved) -> bool:
     if isinstance(given, str) and isinstance(saved, str) and (Path(given).exists() or Path(saved).exists()):
         return Path(given).resolve() == Path(saved).resolve()
     return given == saved
+
+
+def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None) -> None:
+    t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
+    plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
+    plots.labels(t.train_loader.dataset)
+    checkpointer = Checkpointer(t.weights_dir, info, opt.save_period)
+    end_epoch, clock = EpochEnd(t, checkpointer), SaveClock(opt.save_interval)
+    if info.is_main:
+        log_start_summary(t)
+    state = LoopState.start(t)
+    for epoch in range(t.start.epoch, opt.epochs):
+        state.epoch, t_epoch = epoch, time.time()
+        t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
+        if epoch == t.train_loader.dataset.mosaic_off_from_epoch:
+            LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
+        mloss = train_one_epoch(t, state, clock, checkpointer, plots)
+        lrs = [g["lr"] for g in t.optimizer.param_groups]
+        t.scheduler.step()
+        result = validate(t, epoch)
+        stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
+        if result is not None and epoch + 1 == opt.epochs:
+            plots.validation(result)
+        clock.restart()
+        state.epoch_seconds.append(time.time() - t_epoch)
+        if stop:
+            break
+    release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
+    checkpointer.finish(strip=not opt.keep_optimizer)
+    if info.is_main:
+        plots.results()
+        log_end_summary(t, state.epoch - t.start.epoch + 1, time.time() - state.t_start)
+
+
+def validate(t: Training, epoch: int) -> EvalResult | None:
+    """The EMA model on the val split, on every rank; --noval validates only the final epoch."""
+    final = epoch + 1 == t.opt.epochs
+    if t.opt.noval and not final:
+        return None
+    options = EvalOptions(channels_last=t.opt.channels_last, keep_batches=3 if final and not t.opt.noplots else 0)
+    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
 
 
 @record
