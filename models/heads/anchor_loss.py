@@ -7,17 +7,13 @@ own cell and the two nearest neighbours. The gains arrive scaled for this model 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import complete_box_iou_loss
 
+from models.heads.base import Head
 from utils.core.hyp import Hyp
-
-if TYPE_CHECKING:  # the head builds this loss; only its type is needed here
-    from models.heads.anchor import Detect
 
 NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
 
@@ -72,7 +68,8 @@ class AnchorLoss:
 
     loss_names = ("box", "obj", "cls")
 
-    def __init__(self, det: Detect, gains: AnchorLossGains) -> None:
+    def __init__(self, det: Head, gains: AnchorLossGains) -> None:
+        """``det``: the anchor head (models/heads/anchor.Detect), which builds this loss."""
         self.det, self.gains = det, gains
         self.cp, self.cn = smooth_bce(gains.label_smoothing)
         self.focal = FocalLoss(gains.fl_gamma) if gains.fl_gamma > 0 else None
