@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze", nargs="+", type=Range(int, min=0), default=[0],
                    help="freeze the first N layers, or the listed layer indices")
     p.add_argument("--noautoanchor", action="store_true", help="keep the model yaml's anchors")
-    p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
+    p.add_argument("--hyp", default=None,
+                   help="hyperparameters yaml (default: hyps/hyp.scratch-low.yaml for anchor heads, hyps/hyp.v8.yaml for "
+                        "anchor-free ones)")
     p.add_argument("--epochs", type=Range(int, min=1), default=15,
                    help="total training epochs (sized for the quick built-in run)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")

@@ -1,9 +1,12 @@
-"""Network building blocks of the YOLOv5 v6 family (Conv, Bottleneck, C3, SPPF, Concat).
+"""Network building blocks: the YOLOv5 v6 family (Conv, Bottleneck, C3, SPPF, Concat) and the
+anchor-free YOLOv8 / YOLO11 ones (DWConv, C2f, C3k, C3k2, Attention, PSABlock, C2PSA, DFL).
 
 Kept separate from models/yolo.py so the yaml parser's registry is the only place that maps a
 name in a model yaml to a class here.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -96,14 +99,26 @@ def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
-class Bottleneck(nn.Module):
-    """1x1 squeeze then 3x3 conv, with a residual add when shapes allow (the C3 inner unit)."""
+class DWConv(Conv):
+    """Depthwise Conv (groups = gcd(c1, c2)): spatial mixing at a fraction of a full conv's cost,
+    paired with a 1x1 Conv in YOLO11's class branch."""
 
-    def __init__(self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5) -> None:
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, d: int = 1, act: bool | nn.Module = True) -> None:
+        super().__init__(c1, c2, k, s, g=math.gcd(c1, c2), d=d, act=act)
+
+
+class Bottleneck(nn.Module):
+    """Two convs (kernels ``k``, 1x1 then 3x3 in YOLOv5's C3; 3x3 twice in C2f/C3k2) with a residual
+    add when shapes allow."""
+
+    def __init__(
+        self, c1: int, c2: int, shortcut: bool = True, g: int = 1, e: float = 0.5,
+        k: tuple[int, int] = (1, 3),
+    ) -> None:
         super().__init__()
         c_ = int(c2 * e)
-        self.cv1 = Conv(c1, c_, 1, 1)
-        self.cv2 = Conv(c_, c2, 3, 1, g=g)
+        self.cv1 = Conv(c1, c_, k[0], 1)
+        self.cv2 = Conv(c_, c2, k[1], 1, g=g)
         self.add = bool(shortcut) and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,3 +167,139 @@ class Concat(nn.Module):
 
     def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(x, self.d)
+
+
+class C2f(nn.Module):
+    """YOLOv8's CSP block: one 1x1 conv split in two halves; n Bottlenecks chain on the second half
+    and every intermediate output joins the final 1x1 conv, so gradients reach each stage directly."""
+
+    def __init__(self, c1: int, c2: int, n: int = 1, shortcut: bool = False, g: int = 1, e: float = 0.5) -> None:
+        super().__init__()
+        self.c = int(c2 * e)
+        self.cv1 = Conv(c1, 2 * self.c, 1, 1)
+        self.cv2 = Conv((2 + n) * self.c, c2, 1)
+        self.m = nn.ModuleList(Bottleneck(self.c, self.c, shortcut, g, e=1.0, k=(3, 3)) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = list(self.cv1(x).chunk(2, 1))
+        y.extend(m(y[-1]) for m in self.m)
+        return self.cv2(torch.cat(y, 1))
+
+
+class C3k(C3):
+    """C3 whose Bottlenecks use k x k kernels for both convs: YOLO11's heavier C3k2 stage."""
+
+    def __init__(
+        self, c1: int, c2: int, n: int = 1, shortcut: bool = True, g: int = 1, e: float = 0.5, k: int = 3,
+    ) -> None:
+        super().__init__(c1, c2, n, shortcut, g, e)
+        c_ = int(c2 * e)
+        self.m = nn.Sequential(*(Bottleneck(c_, c_, shortcut, g, e=1.0, k=(k, k)) for _ in range(n)))
+
+
+class C3k2(C2f):
+    """YOLO11's C2f: each stage is a Bottleneck (3x3, 3x3, half width), a two-Bottleneck C3k when
+    ``c3k`` (the parser sets it for the m/l/x scales), or a Bottleneck followed by PSABlock
+    attention when ``attn``. Argument order follows the yamls: c3k, e, attn, g, shortcut."""
+
+    def __init__(
+        self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, attn: bool = False, g: int = 1,
+        shortcut: bool = True,
+    ) -> None:
+        super().__init__(c1, c2, n, shortcut, g, e)
+        self.m = nn.ModuleList(self._stage(bool(c3k), bool(attn), shortcut, g) for _ in range(n))
+
+    def _stage(self, c3k: bool, attn: bool, shortcut: bool, g: int) -> nn.Module:
+        if attn:
+            return nn.Sequential(Bottleneck(self.c, self.c, shortcut, g, k=(3, 3)),
+                                 PSABlock(self.c, attn_ratio=0.5, num_heads=max(self.c // 64, 1)))
+        if c3k:
+            return C3k(self.c, self.c, 2, shortcut, g)
+        return Bottleneck(self.c, self.c, shortcut, g, k=(3, 3))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over all H*W positions, with 1x1 convs for q/k/v and the output
+    and a depthwise 3x3 on v as positional encoding (attention alone is blind to position).
+
+    Keys and queries use ``attn_ratio`` of the head width, so the attention map is cheaper than v.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, attn_ratio: float = 0.5) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.key_dim = int(self.head_dim * attn_ratio)
+        self.scale = self.key_dim ** -0.5
+        self.qkv = Conv(dim, dim + 2 * self.key_dim * num_heads, 1, act=False)
+        self.proj = Conv(dim, dim, 1, act=False)
+        self.pe = Conv(dim, dim, 3, 1, g=dim, act=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        n = h * w
+        q, k, v = self.qkv(x).view(b, self.num_heads, 2 * self.key_dim + self.head_dim, n).split(
+            (self.key_dim, self.key_dim, self.head_dim), dim=2)
+        attn = ((q * self.scale).transpose(-2, -1) @ k).softmax(dim=-1)  # (b, heads, n, n)
+        out = (v @ attn.transpose(-2, -1)).view(b, c, h, w) + self.pe(v.reshape(b, c, h, w))
+        return self.proj(out)
+
+    def matmul_macs(self, h: float, w: float) -> float:
+        """Multiply-accumulates of the two attention products on an h x w map: thop counts modules
+        only, so Model.info adds these (they grow with the square of the pixel count)."""
+        n = h * w
+        return self.num_heads * n * n * (self.key_dim + self.head_dim)
+
+
+class PSABlock(nn.Module):
+    """Attention then a 2x-wide 1x1 feed-forward, each with a residual add (a transformer layer on convs)."""
+
+    def __init__(self, c: int, attn_ratio: float = 0.5, num_heads: int = 4, shortcut: bool = True) -> None:
+        super().__init__()
+        self.attn = Attention(c, num_heads=num_heads, attn_ratio=attn_ratio)
+        self.ffn = nn.Sequential(Conv(c, c * 2, 1), Conv(c * 2, c, 1, act=False))
+        self.add = bool(shortcut)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x) if self.add else self.attn(x)
+        return x + self.ffn(x) if self.add else self.ffn(x)
+
+
+class C2PSA(nn.Module):
+    """CSP wrapper around n PSABlocks: attention runs on half the channels only, which keeps its
+    quadratic cost down on the stride-32 map where YOLO11 places it. Input and output widths match."""
+
+    def __init__(self, c1: int, c2: int, n: int = 1, e: float = 0.5) -> None:
+        super().__init__()
+        if c1 != c2:
+            raise ValueError(f"C2PSA keeps the channel count: input {c1} and output {c2} must be equal")
+        self.c = int(c1 * e)
+        self.cv1 = Conv(c1, 2 * self.c, 1, 1)
+        self.cv2 = Conv(2 * self.c, c1, 1)
+        self.m = nn.Sequential(*(PSABlock(self.c, attn_ratio=0.5, num_heads=max(self.c // 64, 1)) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.cv1(x).split((self.c, self.c), dim=1)
+        return self.cv2(torch.cat((a, self.m(b)), 1))
+
+
+class DFL(nn.Module):
+    """The Distribution Focal Loss integral: each box side is predicted as logits over reg_max
+    bins 0..reg_max-1 (grid units), and its distance is the softmax-weighted mean bin.
+
+    Kept as a fixed 1x1 conv with weights 0..reg_max-1 (no gradient) so it counts as a parameter
+    like the reference models; fusing leaves it alone.
+    """
+
+    def __init__(self, reg_max: int = 16) -> None:
+        super().__init__()
+        self.reg_max = reg_max
+        self.conv = nn.Conv2d(reg_max, 1, 1, bias=False).requires_grad_(False)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.arange(reg_max, dtype=torch.float32).view(1, reg_max, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 4 * reg_max, N) logits, side-major -> (B, 4, N) distances (left, top, right, bottom)."""
+        b, _, n = x.shape
+        p = x.view(b, 4, self.reg_max, n).transpose(2, 1).softmax(1)  # (B, reg_max, 4, N)
+        return self.conv(p).view(b, 4, n)

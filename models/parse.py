@@ -2,40 +2,73 @@
 
 The yaml is parsed through an explicit registry (no eval), so a typo in a model file is a clear
 ``UserError`` naming the file and row instead of a traceback from deep inside torch.
+
+Two ways to size a model:
+- YOLOv5's: ``depth_multiple`` and ``width_multiple`` in the file (models/yolov5{n,s,m,l,x}.yaml).
+- Ultralytics' ``scales: {n: [depth, width, max_channels], s: ...}`` (models/yolov8.yaml,
+  yolo11.yaml, yolov5u.yaml: one file per family). The size is the ``scale:`` key if the yaml
+  has one, else the size letter in the requested file name: ``yolov8n.yaml`` means yolov8.yaml
+  at scale n (the letter right after ``yolo[v]<digits>``; ``yolov5nu.yaml`` -> yolov5u.yaml, n).
+  A name naming a family file with no letter (``yolov8.yaml``) and no ``scale:`` key is an error,
+  as is a key that contradicts the name. The chosen size is written into the dict as ``scale``,
+  so the dict a checkpoint stores rebuilds the same size without any file name. Channels are
+  ``make_divisible(min(c, max_channels) * width, 8)``; for the m, l and x scales every C3k2 row
+  gets ``c3k`` True (YOLO11's rule: those sizes use C3k stages).
+
+Anchors (top-level ``anchors``) are required only when the last row is an anchor head (Detect);
+an anchor-free head (DFLDetect) needs none.
 """
 from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from torch import nn
 
-from models.blocks import C3, SPPF, Bottleneck, Concat, Conv
+from models.blocks import C2PSA, C3, SPPF, Bottleneck, C2f, C3k2, Concat, Conv, DWConv
 from models.heads.anchor import Detect, check_anchors_spec
 from models.heads.base import Head
+from models.heads.dfl import DFLDetect
 from utils.core.errors import UserError, did_you_mean
 from utils.core.logging import LOGGER
 
 MODELS_DIR = Path(__file__).resolve().parent
-TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "anchors", "backbone", "head", "ch")
+TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "scales", "scale", "anchors", "backbone", "head", "ch")
+SIZE_IN_NAME = re.compile(r"yolov?\d+([nslmx])")  # yolov8n, yolo11s, yolov5nu: the letter is the scale
+C3K_SCALES = ("m", "l", "x")
 UPSAMPLE_MODES = ("nearest", "bilinear", "bicubic")
 
 
 # Names a model yaml may use, and the class each builds. Nothing outside this dict is reachable.
 MODULES: dict[str, type[nn.Module]] = {
     "Conv": Conv,
+    "DWConv": DWConv,
     "Bottleneck": Bottleneck,
     "C3": C3,
+    "C2f": C2f,
+    "C3k2": C3k2,
+    "C2PSA": C2PSA,
     "SPPF": SPPF,
     "Concat": Concat,
     "Detect": Detect,
+    "DFLDetect": DFLDetect,
     "nn.Upsample": nn.Upsample,
 }
-CHANNEL_MODULES = (Conv, Bottleneck, C3, SPPF)  # args start with output channels
-REPEAT_INSIDE = (C3,)  # take `number` as their own depth argument
+CHANNEL_MODULES = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, C2PSA, SPPF)  # args start with output channels
+REPEAT_INSIDE = (C3, C2f, C3k2, C2PSA)  # take `number` as their own depth argument
+
+
+class Scaling(NamedTuple):
+    """How rows are sized: depth and width multipliers, the channel cap before widening, the scale letter."""
+
+    depth: float = 1.0
+    width: float = 1.0
+    max_channels: float = math.inf
+    scale: str | None = None
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -49,10 +82,12 @@ def make_divisible(x: float, divisor: int = 8) -> int:
 
 def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str]:
     """Return (a deep copy of the model dict, a label for error messages)."""
+    name_scale = None
     if isinstance(cfg, dict):
         d, source = copy.deepcopy(cfg), "model yaml"
     else:
         path = _find_model_yaml(Path(cfg))
+        name_scale = _size_in_name(Path(cfg).name)
         source = str(path)
         try:
             d = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -64,19 +99,71 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str]:
         raise UserError(f"{source}: a model yaml must be a mapping with keys nc, anchors, backbone, head; "
                         f"got {type(d).__name__}")
     _check_top_level(d, source)
+    if "scales" in d:
+        d["scale"] = _choose_scale(d, name_scale, source)
     return d, source
 
 
+def _size_in_name(name: str) -> str | None:
+    """The scale letter of a sized model file name ('yolov8n.yaml' -> 'n'), else None."""
+    m = SIZE_IN_NAME.search(Path(name).stem)
+    return m.group(1) if m else None
+
+
+def _family_name(name: str) -> str | None:
+    """The family file a sized name stands for ('yolov8n.yaml' -> 'yolov8.yaml'), else None."""
+    m = SIZE_IN_NAME.search(name)
+    return name[: m.start(1)] + name[m.end(1):] if m else None
+
+
 def _find_model_yaml(path: Path) -> Path:
-    """The path itself, else the same file name inside models/ (so 'yolov5s.yaml' just works)."""
-    if path.is_file():
-        return path
-    bundled = MODELS_DIR / path.name
-    if path.parent == Path(".") and bundled.is_file():
-        return bundled
-    known = sorted(p.name for p in MODELS_DIR.glob("*.yaml"))
+    """The path itself, else the same file name inside models/ (so 'yolov5s.yaml' just works);
+    then the same two places for the family file of a sized name (yolov8n.yaml -> yolov8.yaml)."""
+    family = _family_name(path.name)
+    for name in [path.name] + ([family] if family else []):
+        candidate = path.with_name(name)
+        if candidate.is_file():
+            return candidate
+        bundled = MODELS_DIR / name
+        if path.parent == Path(".") and bundled.is_file():
+            return bundled
+    known = _bundled_names()
     raise UserError(f"{path}: model yaml not found.{did_you_mean(path.name, known)}"
                     f" Bundled models: {', '.join(known)}")
+
+
+def _bundled_names() -> list[str]:
+    """Every name --cfg accepts from models/: the files, and each family file's sized names."""
+    names = []
+    for p in sorted(MODELS_DIR.glob("*.yaml")):
+        try:
+            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            d = None
+        scales = d.get("scales") if isinstance(d, dict) else None
+        m = re.search(r"yolov?\d+", p.stem)
+        if isinstance(scales, dict) and m:
+            names += [f"{p.stem[: m.end()]}{k}{p.stem[m.end():]}.yaml" for k in scales]
+        else:
+            names.append(p.name)
+    return names
+
+
+def _choose_scale(d: dict, name_scale: str | None, source: str) -> str:
+    """The size of a ``scales`` yaml: its ``scale`` key, else the letter in the file name (module docstring)."""
+    scales = d["scales"]
+    choices = ", ".join(map(str, scales))
+    scale = d.get("scale")
+    if scale is None:
+        if name_scale is None:
+            raise UserError(f"{source}: 'scales' ({choices}) but no size chosen: add a 'scale' key (e.g. 'scale: n') "
+                            f"or put the size in the file name (yolov8n.yaml is yolov8.yaml at scale n)")
+        scale = name_scale
+    elif name_scale is not None and name_scale != scale and name_scale in scales:
+        raise UserError(f"{source}: 'scale: {scale}' contradicts the size '{name_scale}' in the file name")
+    if scale not in scales:
+        raise UserError(f"{source}: scale {scale!r} is not one of the yaml's scales ({choices})")
+    return scale
 
 
 def _check_top_level(d: dict, source: str) -> None:
@@ -85,18 +172,59 @@ def _check_top_level(d: dict, source: str) -> None:
         if key not in TOP_LEVEL_KEYS:
             raise UserError(f"{source}: unknown key '{key}'.{did_you_mean(key, TOP_LEVEL_KEYS)}"
                             f" Allowed keys: {', '.join(TOP_LEVEL_KEYS)}")
-    for key in ("backbone", "head", "anchors"):
+    for key in ("backbone", "head"):
         if key not in d:
             raise UserError(f"{source}: missing key '{key}'")
+    if "anchors" not in d and head_has_anchors(d):
+        raise UserError(f"{source}: missing key 'anchors'")
     for key in ("backbone", "head"):
         if not isinstance(d[key], list):
             raise UserError(f"{source}: '{key}' must be a list of [from, number, module, args] rows")
     for key in ("depth_multiple", "width_multiple"):
         v = d.get(key, 1.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        if not _is_pos_number(v):
             raise UserError(f"{source}: '{key}' must be a positive number, got {v!r}")
     if "ch" in d and not _is_pos_int(d["ch"]):
         raise UserError(f"{source}: 'ch' must be a positive integer, got {d['ch']!r}")
+    if "scales" in d:
+        _check_scales(d, source)
+    elif "scale" in d:
+        raise UserError(f"{source}: 'scale' needs a 'scales' table to choose from")
+
+
+def _check_scales(d: dict, source: str) -> None:
+    """``scales`` maps a size letter to [depth, width, max_channels]; it replaces the two multipliers."""
+    both = [k for k in ("depth_multiple", "width_multiple") if k in d]
+    if both:
+        named = " and ".join(repr(k) for k in both)
+        raise UserError(f"{source}: 'scales' and {named} both size the model; keep one")
+    scales = d["scales"]
+    if not isinstance(scales, dict) or not scales:
+        raise UserError(f"{source}: 'scales' must map size names to [depth, width, max_channels], got {scales!r}")
+    for k, v in scales.items():
+        if not (isinstance(v, list) and len(v) == 3 and all(_is_pos_number(x) for x in v)):
+            raise UserError(f"{source}: scales[{k!r}] must be [depth, width, max_channels] (positive numbers), "
+                            f"got {v!r}")
+    scale = d.get("scale")
+    if scale is not None and scale not in scales:
+        choices = ", ".join(map(str, scales))
+        raise UserError(f"{source}: scale {scale!r} is not one of the yaml's scales ({choices})")
+
+
+def head_class(d: dict) -> type[Head] | None:
+    """The head class the yaml's last row names, or None when that row is not a registered head."""
+    rows = d.get("head")
+    row = rows[-1] if isinstance(rows, list) and rows else None
+    if not (isinstance(row, list) and len(row) == 4 and isinstance(row[2], str)):
+        return None
+    cls = MODULES.get(row[2])
+    return cls if isinstance(cls, type) and issubclass(cls, Head) else None
+
+
+def head_has_anchors(d: dict) -> bool:
+    """Whether the model needs anchors: yes unless its last row is a known anchor-free head."""
+    cls = head_class(d)
+    return cls is None or cls.has_anchors
 
 
 def _check_nc(d: dict, source: str) -> int:
@@ -111,14 +239,21 @@ def _is_pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+def _is_pos_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
 def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tuple[nn.Sequential, list[int]]:
     """Build the layers from the yaml rows; returns (nn.Sequential, indices whose output is reused)."""
     _check_top_level(d, source)
     nc = _check_nc(d, source)
-    anchors = check_anchors_spec(d["anchors"], source)
-    gd, gw = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
-    na = len(anchors[0]) // 2
-    no = na * (nc + 5)
+    anchors = check_anchors_spec(d["anchors"], source) if "anchors" in d else None
+    if anchors is not None and not head_has_anchors(d):
+        LOGGER.warning(f"{source}: 'anchors' are not used by the anchor-free {head_class(d).__name__} head")
+    sizing = _scaling(d, source)
+    gd = sizing.depth
+    # the width of a layer feeding an anchor head directly is kept exact (YOLOv5's rule)
+    no = len(anchors[0]) // 2 * (nc + 5) if anchors is not None and head_has_anchors(d) else None
     # chs[j] = output channels of layer j; before layer 0 it holds only the image channels (-1)
     chs = [ch[-1] if isinstance(ch, (list, tuple)) else ch]
     layers, save = [], set()
@@ -130,7 +265,7 @@ def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tup
         f, n, cls, args = _check_row(row, i, where)
         args = _resolve_args(args, cls, nc, anchors, where)
         n = max(round(n * gd), 1) if n > 1 else n
-        m, c2 = _build_layer(cls, f, n, args, chs, gw, no, where)
+        m, c2 = _build_layer(cls, f, n, args, chs, sizing, no, where)
         m.i, m.f, m.kind = i, f, cls.__name__  # read by Model.forward and the layer table
         m.np = sum(p.numel() for p in m.parameters())
         LOGGER.debug(f"{i:>3}{str(f):>18}{n:>3}{m.np:10.0f}  {m.kind:<24}{args}")
@@ -140,8 +275,23 @@ def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tup
             chs = []
         chs.append(c2)
     if not isinstance(layers[-1], Head):
-        raise UserError(f"{source}: the last row of head must be a Detect layer")
+        raise UserError(f"{source}: the last row of head must be a detection head ({', '.join(_head_names())})")
     return nn.Sequential(*layers), sorted(save)
+
+
+def _head_names() -> list[str]:
+    return [k for k, v in MODULES.items() if issubclass(v, Head)]
+
+
+def _scaling(d: dict, source: str) -> Scaling:
+    """The yaml's sizing: its chosen ``scales`` row, else YOLOv5's multipliers (no channel cap)."""
+    if "scales" not in d:
+        return Scaling(d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0))
+    if d.get("scale") is None:
+        choices = ", ".join(map(str, d["scales"]))
+        raise UserError(f"{source}: a model dict with 'scales' needs 'scale' (one of {choices})")
+    depth, width, max_channels = d["scales"][d["scale"]]
+    return Scaling(depth, width, max_channels, d["scale"])
 
 
 def _check_row(row: Any, i: int, where: str) -> tuple[int | list[int], int, type[nn.Module], list]:
@@ -177,7 +327,7 @@ def _check_from(f: Any, i: int, where: str) -> int | list[int]:
     return out if isinstance(f, list) else out[0]
 
 
-def _resolve_args(args: list, cls: type[nn.Module], nc: int, anchors: list, where: str) -> list:
+def _resolve_args(args: list, cls: type[nn.Module], nc: int, anchors: list | None, where: str) -> list:
     """Substitute the few names a yaml may use; any other string is a mistake."""
     out = []
     for a in args:
@@ -185,6 +335,9 @@ def _resolve_args(args: list, cls: type[nn.Module], nc: int, anchors: list, wher
             if a == "nc":
                 a = nc
             elif a == "anchors":
+                if anchors is None:
+                    raise UserError(f"{where}: argument 'anchors' names the top-level key 'anchors', "
+                                    "which this yaml does not have")
                 a = anchors
             elif a == "None":
                 a = None
@@ -198,36 +351,39 @@ def _resolve_args(args: list, cls: type[nn.Module], nc: int, anchors: list, wher
 
 def _build_layer(
     cls: type[nn.Module], f: int | list[int], n: int, args: list, chs: list[int],
-    gw: float, no: int, where: str,
+    sizing: Scaling, no: int | None, where: str,
 ) -> tuple[nn.Module, int]:
     """Instantiate one row (repeated n times when the class does not repeat itself)."""
+    kwargs: dict[str, Any] = {}
     if cls in CHANNEL_MODULES:
         if not args or not _is_pos_int(args[0]):
             raise UserError(f"{where}: first argument of {cls.__name__} must be the output channel count")
         c1, c2 = chs[f if isinstance(f, int) else f[0]], args[0]
-        if c2 != no:  # the layer feeding Detect directly keeps its exact width
-            c2 = make_divisible(c2 * gw, 8)
+        if c2 != no:  # the layer feeding an anchor head directly keeps its exact width
+            c2 = make_divisible(min(c2, sizing.max_channels) * sizing.width, 8)
         args = [c1, c2, *args[1:]]
         if cls in REPEAT_INSIDE:
             args.insert(2, n)
             n = 1
+        if cls is C3k2 and sizing.scale in C3K_SCALES:
+            args[3:4] = [True]  # c3k, whether or not the row gave it
     elif cls is Concat:
         c2 = sum(chs[j] for j in (f if isinstance(f, list) else [f]))
-    elif issubclass(cls, Head):  # a detection head: nc, its own arguments, then each level's channels
+    elif issubclass(cls, Head):  # a detection head: nc, its own arguments, and ch= each level's channels
         if not isinstance(f, list) or n != 1:
-            raise UserError(f"{where}: Detect needs number 1 and a list of 'from' layers, one per level")
+            raise UserError(f"{where}: {cls.__name__} needs number 1 and a list of 'from' layers, one per level")
         if cls.has_anchors and len(args) >= 2:
             anchors = check_anchors_spec(args[1], where)
             if len(anchors) != len(f):
                 raise UserError(f"{where}: {len(anchors)} anchor levels but {len(f)} input layers")
         if not args or not _is_pos_int(args[0]):
-            raise UserError(f"{where}: first argument of Detect must be nc (a positive integer)")
-        args = [*args, [chs[j] for j in f]]
-        c2 = 0  # nothing consumes Detect's output
+            raise UserError(f"{where}: first argument of {cls.__name__} must be nc (a positive integer)")
+        kwargs["ch"] = [chs[j] for j in f]
+        c2 = 0  # nothing consumes the head's output
     else:
         c2 = chs[f if isinstance(f, int) else f[0]]
     try:
-        m = nn.Sequential(*(cls(*args) for _ in range(n))) if n > 1 else cls(*args)
+        m = nn.Sequential(*(cls(*args, **kwargs) for _ in range(n))) if n > 1 else cls(*args, **kwargs)
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{where}: cannot build {cls.__name__} with args {args}: {e}") from None
     return m, c2

@@ -16,7 +16,7 @@ from torch import nn
 from models.blocks import Conv
 from models.heads.anchor import check_anchors_spec, plain_anchors, resample_anchors
 from models.heads.base import Head
-from models.parse import load_model_yaml, parse_model
+from models.parse import head_has_anchors, load_model_yaml, parse_model
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
@@ -33,10 +33,12 @@ class ModelInfo(NamedTuple):
 
 
 class Model(nn.Module):
-    """A detection model built from a YOLOv5-format model yaml (path or dict).
+    """A detection model built from a model yaml (path or dict): YOLOv5's format, or Ultralytics'
+    ``scales`` format for the anchor-free families (models/parse.py).
 
-    ``self.yaml`` is the plain dict (with ch, nc and anchors overrides applied) that checkpoints
-    store; ``Model(self.yaml)`` rebuilds the same architecture.
+    ``self.yaml`` is the plain dict (with ch, nc and anchors overrides applied, and the chosen
+    ``scale`` of a ``scales`` yaml) that checkpoints store; ``Model(self.yaml)`` rebuilds the same
+    architecture.
     """
 
     def __init__(
@@ -117,17 +119,24 @@ class Model(nn.Module):
         return info
 
     def _gflops(self, imgsz: int | tuple[int, int]) -> float:
-        """thop on a stride-sized image, scaled to imgsz (cheap; FLOPs grow with pixel count)."""
+        """thop on a stride-sized image, scaled to imgsz (cheap; FLOPs grow with pixel count), plus
+        the attention products thop cannot see, counted for each attention map's size at imgsz."""
         h, w = (imgsz, imgsz) if isinstance(imgsz, int) else imgsz
         p = next(self.parameters())
         s = max(int(self.stride.max()), 32)
         im = torch.zeros((1, self.yaml["ch"], s, s), device=p.device, dtype=p.dtype)
+        model = copy.deepcopy(self)
+        seen: list[tuple[nn.Module, int, int]] = []  # (module, map height, map width) on the probe image
+        for m in model.modules():
+            if hasattr(m, "matmul_macs"):
+                m.register_forward_hook(lambda mod, inp, out: seen.append((mod, *inp[0].shape[-2:])))
         try:
-            macs = thop.profile(copy.deepcopy(self), inputs=(im,), verbose=False)[0]
+            macs = thop.profile(model, inputs=(im,), verbose=False)[0]
         except Exception as e:  # a summary number must never stop training
             LOGGER.warning(f"GFLOPs not computed: thop failed with {type(e).__name__}: {e}")
             return 0.0
-        return macs / 1e9 * 2 * (h / s) * (w / s)
+        extra = sum(m.matmul_macs(mh * h / s, mw * w / s) for m, mh, mw in seen)
+        return macs / 1e9 * 2 * (h / s) * (w / s) + extra / 1e9 * 2
 
 
 def de_parallel(model: nn.Module) -> nn.Module:
@@ -147,11 +156,16 @@ def initialize_weights(model: nn.Module) -> None:
 
 
 def _apply_overrides(d: dict, source: str, nc: int | None, anchors: list | None, na: int | None) -> None:
-    """The data yaml's class count and anchors, and the hyp file's anchor count, written into the model dict."""
+    """The data yaml's class count and anchors, and the hyp file's anchor count, written into the model dict
+    (anchors only for an anchor head: an anchor-free model has nothing to put them in)."""
     if nc is not None and nc != d.get("nc"):
         if "nc" in d:
             LOGGER.info(f"Overriding {source} nc={d['nc']} with nc={nc}")
         d["nc"] = int(nc)
+    if not head_has_anchors(d):
+        if anchors is not None or na is not None:
+            LOGGER.info(f"{source} has an anchor-free head: the anchors given by the data or hyp file are not used")
+        return
     if anchors is not None:
         LOGGER.info(f"Overriding {source} anchors with {anchors}")
         d["anchors"] = plain_anchors(anchors)

@@ -26,8 +26,13 @@ class Hyp:
     warmup_epochs: float = 3.0
     warmup_momentum: float = 0.8
     warmup_bias_lr: float = 0.1
-    box: float = 0.05  # box loss gain (scaled by 3 / detection layers)
-    cls: float = 0.5  # class loss gain (scaled by classes / 80 and layers)
+    # box and cls are read by both families on their own scales: the anchor head (YOLOv5) scales them by
+    # 3 / layers (cls also by classes / 80) and wants ~0.05 / 0.5; anchor-free heads (YOLOv8/11) use them
+    # as written and want ~7.5 / 0.5 (hyps/hyp.v8.yaml).
+    box: float = 0.05  # box loss gain (CIoU)
+    cls: float = 0.5  # class loss gain (BCE)
+    dfl: float = 1.5  # DFL loss gain, anchor-free heads (unused by the anchor head)
+    # From here to label_smoothing: the anchor head's loss only; anchor-free heads ignore them.
     cls_pw: float = 1.0  # class BCE positive weight
     obj: float = 1.0  # objectness loss gain (scaled by image size and layers)
     obj_pw: float = 1.0  # objectness BCE positive weight
@@ -56,8 +61,9 @@ class Hyp:
 
 
 # Keys YOLOv5's hyp files do not carry (label_smoothing is its --label-smoothing flag; anchors only in
-# VOC/Objects365): their defaults are YOLOv5's behaviour, so leaving them out is not worth a warning.
-OPTIONAL_HYP = ("anchors", "label_smoothing", "close_mosaic")
+# VOC/Objects365; dfl only matters to anchor-free heads): their defaults are YOLOv5's behaviour (or
+# unused by it), so leaving them out is not worth a warning.
+OPTIONAL_HYP = ("anchors", "label_smoothing", "close_mosaic", "dfl")
 
 
 def load_hyp(path: str | Path) -> Hyp:

@@ -19,10 +19,11 @@ import yaml
 from torch import nn
 
 from models.heads.base import Criterion
-from models.parse import MODELS_DIR
+from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
 from models.yolo import Model, ModelInfo, de_parallel
 from utils.core import dist
 from utils.core.dist import DistInfo
+from utils.core.fileio import ROOT
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path
@@ -35,6 +36,8 @@ from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, a
 
 
 DEFAULT_MODEL = MODELS_DIR / "yolov5n.yaml"
+DEFAULT_HYP = ROOT / "hyps" / "hyp.scratch-low.yaml"  # anchor-based heads (YOLOv5)
+DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads: their gains are on another scale
 
 
 @dataclass
@@ -87,8 +90,11 @@ class Training:
 
 def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device, ckpt: dict | None) -> Training:
     """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, schedule -> resume -> DDP."""
+    anchored = ckpt is not None or model_has_anchors(opt)
+    if not ckpt and not opt.hyp:
+        opt.hyp = str(DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE)  # each family's own recipe
     hyp = Hyp(**ckpt["hyp"]) if ckpt else load_hyp(opt.hyp)
-    na = None if ckpt else anchors_per_level(hyp.anchors, opt.hyp, opt.noautoanchor)  # hyp 'anchors' (YOLOv5)
+    na = anchors_per_level(hyp.anchors, opt.hyp, opt.noautoanchor) if not ckpt and anchored else None  # YOLOv5's
     save_dir = make_run_dir(opt, info, hyp, resumed=ckpt is not None)
     data, names = load_data(opt, info)
     model, model_info = build_model(opt, ckpt, len(names), data.anchors, na, device)
@@ -117,6 +123,12 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     return Training(opt, info, device, save_dir, hyp, data, names, model, model_info, ema, optimizer, scheduler, lf,
                     warmup, scaler, criterion, stopper, train_loader, val_loader, imgsz, grid, batch, accumulate,
                     amp, memory_format, start)
+
+
+def model_has_anchors(opt: argparse.Namespace) -> bool:
+    """Whether the model a fresh run builds (--cfg, else --weights' yaml, else the default) has an anchor head."""
+    cfg = opt.cfg or (load_checkpoint(opt.weights)["model_yaml"] if opt.weights else DEFAULT_MODEL)
+    return head_has_anchors(load_model_yaml(cfg)[0])
 
 
 def make_run_dir(opt: argparse.Namespace, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:

@@ -1,0 +1,122 @@
+"""The anchor-free (YOLOv8/11-style) detection loss: task-aligned targets, BCE classes, CIoU + DFL boxes.
+
+Each anchor predicts its box as four distances (left, top, right, bottom) from its cell centre,
+each a distribution over reg_max integer bins in grid units; the distance is the distribution's
+mean. Anchors are assigned by ``TaskAlignedAssigner`` (models/heads/tal.py) on detached
+predictions; the classifier is trained towards the assigner's soft, alignment-normalised scores
+on every anchor, the box of each positive by CIoU and its distributions by DFL (mass on the two
+bins around the true distance), both weighted by that anchor's soft score. All three are divided
+by the sum of the soft scores, so the loss does not depend on how many objects a batch holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pad_targets
+from utils.core.hyp import Hyp
+
+
+class DistributionHead(Protocol):
+    """What the loss reads from its head, at every call (so .to(device) and set_strides are seen).
+
+    Raw training outputs are one tensor per level, (B, 4 * reg_max + nc, H_i, W_i): the four
+    distance distributions' logits (side-major: left's reg_max bins, then top's, ...) then the
+    class logits. ``stride`` (nl,) is in input pixels per cell; the input image is
+    H_0 * stride_0 by W_0 * stride_0.
+    """
+
+    nc: int
+    nl: int
+    reg_max: int
+    stride: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DFLLossGains:
+    """The loss's gains, used as written: unlike the anchor family, nothing scales them by layers,
+    classes or image size (the soft-score normalisation already makes the terms size-free)."""
+
+    box: float
+    cls: float
+    dfl: float
+
+    @classmethod
+    def from_hyp(cls, hyp: Hyp) -> DFLLossGains:
+        return cls(box=hyp.box, cls=hyp.cls, dfl=hyp.dfl)
+
+
+def distribution_mean(logits: torch.Tensor, reg_max: int) -> torch.Tensor:
+    """(..., 4 * reg_max) distance logits -> (..., 4) expected distances in grid units (softmax . 0..reg_max-1)."""
+    bins = torch.arange(reg_max, device=logits.device, dtype=logits.dtype)
+    return logits.unflatten(-1, (4, reg_max)).softmax(-1) @ bins
+
+
+def distribution_focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of (..., reg_max) logits against target distances (...) in [0, reg_max - 1).
+
+    The target t is split between its two neighbouring bins, weight (floor(t) + 1 - t) on floor(t)
+    and (t - floor(t)) on floor(t) + 1, whose mean is t exactly (Li et al., Generalized Focal Loss).
+    """
+    left = target.long()  # target >= 0: truncation is floor
+    w_left = left + 1 - target
+    logp = logits.log_softmax(-1)
+    lp_left = logp.gather(-1, left[..., None]).squeeze(-1)
+    lp_right = logp.gather(-1, (left + 1)[..., None]).squeeze(-1)
+    return -(lp_left * w_left + lp_right * (1 - w_left))
+
+
+class DFLLoss:
+    """Loss for an anchor-free head's raw training outputs against normalised targets.
+
+    Returns (total * batch size, shape (1,)) and the detached [box, cls, dfl] items, as AnchorLoss.
+    It computes in float32 (float64 if the outputs are), outside autocast. The only host sync is
+    ``pad_targets``' read of the largest per-image target count; the foreground is never gathered
+    by a boolean mask: box and DFL terms run on every anchor with weight 0 off the foreground.
+    """
+
+    loss_names = ("box", "cls", "dfl")
+
+    def __init__(self, head: DistributionHead, gains: DFLLossGains,
+                 assigner: TaskAlignedAssigner | None = None) -> None:
+        self.head, self.gains = head, gains
+        self.assigner = assigner if assigner is not None else TaskAlignedAssigner()
+
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = preds[0].device
+        with torch.autocast(device.type, enabled=False):
+            return self._loss(preds, targets)
+
+    def _loss(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head, gains = self.head, self.gains
+        nc, reg_max = head.nc, head.reg_max
+        bs, device = preds[0].shape[0], preds[0].device
+        dtype = torch.promote_types(preds[0].dtype, torch.float32)
+        shapes = [(p.shape[2], p.shape[3]) for p in preds]
+        flat = torch.cat([p.flatten(2) for p in preds], 2).to(dtype).transpose(1, 2)  # (B, A, 4 * reg_max + nc)
+        dist_logits, cls_logits = flat.split((4 * reg_max, nc), -1)
+
+        stride = head.stride.to(device=device, dtype=dtype)
+        points, strides = make_anchors(shapes, stride)  # grid units
+        pred_boxes = dist2bbox(distribution_mean(dist_logits, reg_max), points)  # xyxy, grid units
+        image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
+        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(device=device, dtype=dtype), bs, image_hw)
+        assigned = self.assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides,
+                                 gt_labels, gt_boxes, gt_mask)
+
+        score_sum = assigned.scores.sum().clamp(min=1)
+        lcls = F.binary_cross_entropy_with_logits(cls_logits, assigned.scores, reduction="sum") / score_sum
+
+        weight = assigned.scores.sum(-1)  # (B, A): the positive's soft score, 0 off the foreground
+        # Off the foreground the target is the prediction itself: finite values and gradients, times weight 0.
+        target = torch.where(assigned.fg[..., None], assigned.boxes / strides, pred_boxes.detach())
+        lbox = ((1.0 - bbox_ciou(pred_boxes, target)) * weight).sum() / score_sum
+        target_dist = bbox2dist(points, target, reg_max - 1 - 0.01)
+        ldfl = distribution_focal_loss(dist_logits.unflatten(-1, (4, reg_max)), target_dist).mean(-1)
+        ldfl = (ldfl * weight).sum() / score_sum
+
+        items = torch.stack((lbox * gains.box, lcls * gains.cls, ldfl * gains.dfl))
+        return (items.sum() * bs).reshape(1), items.detach()

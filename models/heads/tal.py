@@ -1,0 +1,224 @@
+"""Task-aligned assignment (TOOD, as the anchor-free YOLO family trains) and the geometry it needs.
+
+An anchor here is a grid-cell centre of one pyramid level. For each ground-truth box (GT) the
+candidates are the anchor centres strictly inside it; each candidate is scored by how well the
+current prediction there already does the job, ``score^alpha * overlap^beta`` (score: the
+predicted probability of the GT's class; overlap: CIoU of the predicted box with the GT, clamped
+at 0, as Ultralytics does). The k best candidates of each GT become its positives, an anchor
+claimed by several GTs keeps the one it overlaps most, and the class target of a positive is not
+1 but the alignment normalised per GT (best positive of a GT gets that GT's best overlap), so the
+classifier learns to rank boxes by their localisation quality.
+
+Everything runs batched over images and GTs: images carry their GTs padded to the batch's largest
+count with a mask (``pad_targets``), so no Python loop runs per image or per object.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+TAL_TOPK = 10  # positives per GT (Ultralytics' v8DetectionLoss)
+TAL_ALPHA = 0.5  # weight of the class score in the alignment metric
+TAL_BETA = 6.0  # weight of the overlap in the alignment metric
+INSIDE_EPS = 1e-9  # an anchor centre must lie more than this inside every side of a GT
+CIOU_EPS = 1e-7
+
+
+# ------------------------------------------------------------------------------------ geometry
+
+
+def make_anchors(
+    shapes: Sequence[tuple[int, int]], strides: torch.Tensor, offset: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchor points (A, 2) as (x, y) in each level's grid units and their strides (A, 1).
+
+    ``shapes`` are the levels' (height, width); anchors run level by level, row-major within a
+    level, which is the order of ``torch.cat([p.flatten(2) for p in preds], 2)``. ``strides``
+    (nl,) sets the device and dtype; it stays on the device (no host copy), so pixel points are
+    ``points * strides``. ``offset`` 0.5 puts the point at the cell centre.
+    """
+    points, stride_col = [], []
+    for i, (h, w) in enumerate(shapes):
+        x = torch.arange(w, device=strides.device, dtype=strides.dtype) + offset
+        y = torch.arange(h, device=strides.device, dtype=strides.dtype) + offset
+        yy, xx = torch.meshgrid(y, x, indexing="ij")
+        points.append(torch.stack((xx, yy), -1).view(-1, 2))
+        stride_col.append(strides[i].expand(h * w, 1))
+    return torch.cat(points), torch.cat(stride_col)
+
+
+def dist2bbox(distance: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """(left, top, right, bottom) distances from the points (..., 4) -> boxes (x1, y1, x2, y2)."""
+    lt, rb = distance.chunk(2, -1)
+    return torch.cat((points - lt, points + rb), -1)
+
+
+def bbox2dist(points: torch.Tensor, boxes: torch.Tensor, max_dist: float | None = None) -> torch.Tensor:
+    """Boxes (x1, y1, x2, y2) -> (left, top, right, bottom) distances from the points.
+
+    ``max_dist`` clamps to [0, max_dist]: the largest distance a DFL distribution can represent,
+    so a box reaching further (or a point outside it) still gets a finite target at the edge.
+    """
+    x1y1, x2y2 = boxes.chunk(2, -1)
+    dist = torch.cat((points - x1y1, x2y2 - points), -1)
+    return dist if max_dist is None else dist.clamp(0, max_dist)
+
+
+def xywh2xyxy(xywh: torch.Tensor) -> torch.Tensor:
+    """Centre/size -> corners, out of place and differentiable (utils.core.boxes writes in place)."""
+    xy, wh = xywh.chunk(2, -1)
+    return torch.cat((xy - wh / 2, xy + wh / 2), -1)
+
+
+def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS) -> torch.Tensor:
+    """Complete IoU of xyxy boxes (broadcast over leading dims) -> (...,), Ultralytics' eps placement.
+
+    CIoU = IoU - centre distance^2 / enclosing diagonal^2 - alpha * v (aspect term). alpha is held
+    constant for the gradient, as the CIoU paper prescribes, so v only pulls on the aspect ratio.
+    The eps added to heights keeps atan(w / h) finite for a zero-height box.
+    """
+    b1x1, b1y1, b1x2, b1y2 = box1.unbind(-1)
+    b2x1, b2y1, b2x2, b2y2 = box2.unbind(-1)
+    w1, h1 = b1x2 - b1x1, b1y2 - b1y1 + eps
+    w2, h2 = b2x2 - b2x1, b2y2 - b2y1 + eps
+    inter = (torch.minimum(b1x2, b2x2) - torch.maximum(b1x1, b2x1)).clamp(min=0) * (
+        torch.minimum(b1y2, b2y2) - torch.maximum(b1y1, b2y1)
+    ).clamp(min=0)
+    union = w1 * h1 + w2 * h2 - inter + eps
+    iou = inter / union
+    cw = torch.maximum(b1x2, b2x2) - torch.minimum(b1x1, b2x1)
+    ch = torch.maximum(b1y2, b2y2) - torch.minimum(b1y1, b2y1)
+    c2 = cw.pow(2) + ch.pow(2) + eps
+    rho2 = ((b2x1 + b2x2 - b1x1 - b1x2).pow(2) + (b2y1 + b2y2 - b1y1 - b1y2).pow(2)) / 4
+    v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)).pow(2)
+    with torch.no_grad():
+        alpha = v / (v - iou + (1 + eps))
+    return iou - (rho2 / c2 + v * alpha)
+
+
+# ------------------------------------------------------------------------------------ targets
+
+
+def pad_targets(
+    targets: torch.Tensor, batch_size: int, image_hw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count.
+
+    Returns classes (B, M) long, boxes (B, M, 4) xyxy in input pixels and the mask (B, M) of real
+    rows; padding is class 0, box 0 and masked out. Rows may come in any image order (a stable
+    sort keeps each image's own order). ``image_hw`` (2,) is the input size on the targets'
+    device, so scaling copies nothing from the host. Image indices must be below batch_size
+    (not checked: that would be a host sync).
+
+    Host sync: reading M, the largest count, back from the device (the padded width is a
+    shape). It is the only one, and none happens when there are no targets at all.
+    """
+    device, dtype = targets.device, targets.dtype
+    n = targets.shape[0]
+    if n == 0:
+        return (torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+                torch.zeros(batch_size, 0, 4, dtype=dtype, device=device),
+                torch.zeros(batch_size, 0, dtype=torch.bool, device=device))
+    image = targets[:, 0].long()
+    # scatter_add, not bincount: on CUDA bincount reads the largest index back to size its output
+    counts = torch.zeros(batch_size, dtype=torch.long, device=device).scatter_add_(0, image, torch.ones_like(image))
+    m = int(counts.max())  # the host sync
+    image_sorted, order = torch.sort(image, stable=True)
+    slot = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[image_sorted]
+    rows = targets[order]
+    labels = torch.zeros(batch_size, m, dtype=torch.long, device=device)
+    boxes = torch.zeros(batch_size, m, 4, dtype=dtype, device=device)
+    labels[image_sorted, slot] = rows[:, 1].long()
+    boxes[image_sorted, slot] = xywh2xyxy(rows[:, 2:6] * image_hw.to(dtype).flip(0).repeat(2))
+    mask = torch.arange(m, device=device) < counts[:, None]
+    return labels, boxes, mask
+
+
+# ------------------------------------------------------------------------------------ assigner
+
+
+class Assignment(NamedTuple):
+    """What each anchor (B, A) is trained towards; off the foreground, labels/boxes/gt_index are
+    those of the image's first GT slot and scores are 0 (they must be masked or weighted by scores)."""
+
+    labels: torch.Tensor  # (B, A) long: class of the assigned GT
+    boxes: torch.Tensor  # (B, A, 4): assigned GT box, xyxy in input pixels
+    scores: torch.Tensor  # (B, A, nc): normalised alignment at the GT's class, 0 elsewhere
+    fg: torch.Tensor  # (B, A) bool: the anchor is some GT's positive
+    gt_index: torch.Tensor  # (B, A) long: slot of the assigned GT in the padded GT tensors
+
+
+class TaskAlignedAssigner:
+    """Batched task-aligned assignment: see the module docstring for the rule.
+
+    Against Ultralytics 8.4.190's TaskAlignedAssigner: (1) a candidate whose metric is exactly 0
+    never becomes a positive (Ultralytics may take one when a GT has fewer than k non-zero
+    candidates; its class target and box weight are 0 there, so the loss is the same). (2) An
+    anchor claimed by several GTs keeps the best overlap among those GTs; Ultralytics' argmax also
+    sees GTs for which the anchor is merely a candidate, and may hand it to one of them (crowded
+    images only). (3) Ultralytics 8.4 floors GT sides to the
+    second stride when choosing candidates, so a tiny box between anchor centres still gets
+    positives; here that is ``min_side``, off by default (the rule of TOOD and Ultralytics 8.0).
+    Ties in the top-k ranking fall to torch.topk; ties in the overlap go to the lower GT slot.
+    """
+
+    def __init__(self, topk: int = TAL_TOPK, alpha: float = TAL_ALPHA, beta: float = TAL_BETA,
+                 eps: float = 1e-9, min_side: float = 0.0) -> None:
+        self.topk, self.alpha, self.beta, self.eps, self.min_side = topk, alpha, beta, eps, min_side
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        pd_scores: torch.Tensor,
+        pd_boxes: torch.Tensor,
+        anchor_points: torch.Tensor,
+        gt_labels: torch.Tensor,
+        gt_boxes: torch.Tensor,
+        gt_mask: torch.Tensor,
+    ) -> Assignment:
+        """Assign anchors to GTs.
+
+        pd_scores (B, A, nc) class probabilities; pd_boxes (B, A, 4) xyxy and anchor_points (A, 2),
+        both in input pixels; gt_labels (B, M), gt_boxes (B, M, 4) xyxy pixels and gt_mask (B, M)
+        as ``pad_targets`` makes them. No host sync; memory is a few (B, M, A) tensors.
+        """
+        bs, na, _ = pd_scores.shape
+        m = gt_boxes.shape[1]
+        device = pd_scores.device
+        if m == 0:
+            zeros = torch.zeros(bs, na, dtype=torch.long, device=device)
+            return Assignment(zeros, torch.zeros_like(pd_boxes), torch.zeros_like(pd_scores),
+                              torch.zeros(bs, na, dtype=torch.bool, device=device), zeros.clone())
+        candidate = self.candidates(anchor_points, gt_boxes) & gt_mask[..., None]  # (B, M, A)
+        overlap = bbox_ciou(gt_boxes[:, :, None], pd_boxes[:, None]).clamp(min=0)
+        overlap = torch.where(candidate, overlap, 0)
+        label = gt_labels[..., None].expand(bs, m, na)
+        score = pd_scores.transpose(1, 2).gather(1, label)  # (B, M, A): each anchor's score for the GT's class
+        metric = torch.where(candidate, score.pow(self.alpha) * overlap.pow(self.beta), 0)
+
+        top = metric.topk(min(self.topk, na), dim=-1).indices
+        pos = torch.zeros_like(candidate).scatter_(-1, top, True) & candidate & (metric > 0)
+
+        fg = pos.any(1)  # (B, A)
+        gt_index = torch.where(pos, overlap, -1).argmax(1)  # the best-overlapping GT among those claiming it
+        pos = (torch.arange(m, device=device)[:, None] == gt_index[:, None]) & fg[:, None]
+        metric = metric * pos
+        overlap = overlap * pos
+        norm = metric * overlap.amax(-1, keepdim=True) / (metric.amax(-1, keepdim=True) + self.eps)
+        norm = norm.amax(1)  # (B, A): one GT per anchor is left, so this picks its value
+
+        labels = gt_labels.gather(1, gt_index)
+        boxes = gt_boxes.gather(1, gt_index[..., None].expand(bs, na, 4))
+        scores = torch.zeros_like(pd_scores).scatter_(-1, labels[..., None], norm[..., None])
+        return Assignment(labels, boxes, scores, fg, gt_index)
+
+    def candidates(self, anchor_points: torch.Tensor, gt_boxes: torch.Tensor) -> torch.Tensor:
+        """(B, M, A) bool: anchor centre strictly inside the GT (by eps), sides floored to min_side."""
+        if self.min_side > 0:
+            centre = (gt_boxes[..., :2] + gt_boxes[..., 2:]) / 2
+            half = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=self.min_side) / 2
+            gt_boxes = torch.cat((centre - half, centre + half), -1)
+        lt, rb = gt_boxes[:, :, None, :2], gt_boxes[:, :, None, 2:]
+        return torch.cat((anchor_points - lt, rb - anchor_points), -1).amin(-1) > INSIDE_EPS
