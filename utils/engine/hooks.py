@@ -12,7 +12,7 @@ from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
-from utils.engine.checkpoint import fp32_state_dict, load_checkpoint, now_iso, rng_states, save_checkpoint, \
+from utils.engine.checkpoint import fp32_state_dict, now_iso, rng_states, save_checkpoint, \
     strip_optimizer, to_plain, versions
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
