@@ -65,7 +65,7 @@ class Checkpointer:
         ckpt = make_checkpoint(t, state, state.epoch - 1)
         ckpt.update(batches_done=batches, mloss=mloss.tolist())
         save_checkpoint(ckpt, self.last)
-        LOGGER.info(f"Saved {self.last} at epoch {state.epoch + 1}, batch {batches}/{len(t.train_loader)}")
+        LOGGER.info(f"Saved {self.last} at epoch {state.epoch + 1}, batch {batches}/{t.batches_per_epoch}")
 
     def finish(self, strip: bool) -> None:
         """Strip the optimizer from the final checkpoints (smaller, inference-ready)."""

@@ -38,7 +38,7 @@ class LoopState:
     def start(cls, t: Training) -> LoopState:
         """A fresh run's state, or a resumed one's (at the saved epoch and batch)."""
         s = t.start
-        nb = len(t.train_loader)
+        nb = t.batches_per_epoch
         return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
                    last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
                    best_fitness=s.best_fitness)
@@ -49,7 +49,7 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
     """One pass over this rank's shard; returns the mean loss items averaged over ranks."""
     t.model.train()
     epoch, first = state.epoch, state.first_batch
-    nb = first + len(t.train_loader)
+    nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
     mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
     state.first_batch, state.mloss = 0, None
     bar = ProgressBar(t, state, first, nb)

@@ -75,6 +75,7 @@ class Training:
     stopper: EarlyStopping
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
+    batches_per_epoch: int  # per rank, a whole epoch (a resumed epoch's loader yields fewer)
     imgsz: int
     grid: int  # the largest stride (at least 32): image sizes are multiples of it
     batch: int  # images per rank per step
@@ -90,14 +91,15 @@ class Training:
 
 def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device, ckpt: dict | None) -> Training:
     """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, schedule -> resume -> DDP."""
-    anchored = ckpt is not None or model_has_anchors(opt)
+    source = load_checkpoint(opt.weights) if opt.weights and not ckpt else None  # read once: --weights to fine-tune
+    anchored = ckpt is not None or head_has_anchors(load_model_yaml(model_cfg(opt, source))[0])
     if not ckpt and not opt.hyp:
         opt.hyp = str(DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE)  # each family's own recipe
     hyp = Hyp(**ckpt["hyp"]) if ckpt else load_hyp(opt.hyp)
     na = anchors_per_level(hyp.anchors, opt.hyp, opt.noautoanchor) if not ckpt and anchored else None  # YOLOv5's
     save_dir = make_run_dir(opt, info, hyp, resumed=ckpt is not None)
     data, names = load_data(opt, info)
-    model, model_info = build_model(opt, ckpt, len(names), data.anchors, na, device)
+    model, model_info = build_model(opt, ckpt, source, len(names), data.anchors, na, device)
     grid = max(int(model.stride.max()), 32)
     imgsz = check_img_size(opt.imgsz, grid)
     batch = opt.batch_size // info.world_size
@@ -116,19 +118,18 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     scheduler = make_scheduler(optimizer, lf, start.epoch)
     model = wrap_model(model, opt, info, device)
     criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
-    nb = len(train_loader)
+    nb = len(train_loader)  # before any resume skip shortens the sampler
     warmup = Warmup(iters=max(round(hyp.warmup_epochs * nb), 100), bias_lr=hyp.warmup_bias_lr,
                     momentum0=hyp.warmup_momentum, momentum=hyp.momentum)
     memory_format = torch.channels_last if opt.channels_last else torch.contiguous_format
     return Training(opt, info, device, save_dir, hyp, data, names, model, model_info, ema, optimizer, scheduler, lf,
-                    warmup, scaler, criterion, stopper, train_loader, val_loader, imgsz, grid, batch, accumulate,
-                    amp, memory_format, start)
+                    warmup, scaler, criterion, stopper, train_loader, val_loader, nb, imgsz, grid, batch,
+                    accumulate, amp, memory_format, start)
 
 
-def model_has_anchors(opt: argparse.Namespace) -> bool:
-    """Whether the model a fresh run builds (--cfg, else --weights' yaml, else the default) has an anchor head."""
-    cfg = opt.cfg or (load_checkpoint(opt.weights)["model_yaml"] if opt.weights else DEFAULT_MODEL)
-    return head_has_anchors(load_model_yaml(cfg)[0])
+def model_cfg(opt: argparse.Namespace, source: dict | None) -> str | Path | dict:
+    """The model a fresh run builds: --cfg, else the --weights checkpoint's yaml, else the default."""
+    return opt.cfg or (source["model_yaml"] if source else DEFAULT_MODEL)
 
 
 def make_run_dir(opt: argparse.Namespace, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
@@ -152,8 +153,8 @@ def load_data(opt: argparse.Namespace, info: DistInfo) -> tuple[DataConfig, list
     return data, (["item"] if opt.single_cls else data.names)
 
 
-def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: list | None, na: int | None,
-                device: torch.device) -> tuple[Model, ModelInfo]:
+def build_model(opt: argparse.Namespace, ckpt: dict | None, source: dict | None, nc: int, anchors: list | None,
+                na: int | None, device: torch.device) -> tuple[Model, ModelInfo]:
     """The model to train, identical on every rank: a resumed run's own, or one built from --cfg
     (or --weights' yaml) with the seed, and the tensors of --weights that fit transferred."""
     init_seeds(opt.seed)
@@ -161,20 +162,13 @@ def build_model(opt: argparse.Namespace, ckpt: dict | None, nc: int, anchors: li
         model = Model(ckpt["model_yaml"])
         model.load_state_dict(ckpt["model"])
     else:
-        model = _fresh_model(opt, nc, anchors, na)
+        model = Model(model_cfg(opt, source), nc=nc, anchors=anchors, na=na)
+        if source:
+            transfer_weights(model, source.get("ema") or source["model"], opt.weights)
     model = model.to(device)
     freeze_layers(model, opt.freeze)
     model.to(memory_format=torch.channels_last if opt.channels_last else torch.contiguous_format)
     return model, model.info(opt.imgsz)
-
-
-def _fresh_model(opt: argparse.Namespace, nc: int, anchors: list | None, na: int | None) -> Model:
-    source = load_checkpoint(opt.weights) if opt.weights else None
-    cfg = opt.cfg or (source["model_yaml"] if source else DEFAULT_MODEL)
-    model = Model(cfg, nc=nc, anchors=anchors, na=na)
-    if source:
-        transfer_weights(model, source.get("ema") or source["model"], opt.weights)
-    return model
 
 
 def transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

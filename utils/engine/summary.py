@@ -18,7 +18,7 @@ def log_start_summary(t: Training) -> None:
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
              colorstr("Devices: ") + kind,
              colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
-             f"accumulate {t.accumulate} (nominal {NOMINAL_BATCH}); {len(t.train_loader)} batches per epoch per rank",
+             f"accumulate {t.accumulate} (nominal {NOMINAL_BATCH}); {t.batches_per_epoch} batches per epoch per rank",
              colorstr("Data: ") + str(t.data.file)]
     for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
         c = loader.dataset.counts
