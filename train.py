@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers (per rank)")
     p.add_argument("--threads", type=Range(int, min=0), default=0,
                    help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
-    p.add_argument("--optimizer", default="SGD", choices=("SGD", "Adam", "AdamW"))
+    p.add_argument("--optimizer", default="auto", choices=("auto", "SGD", "Adam", "AdamW"),
+                   help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "
+                        "class count on short schedules, SGD on long ones (the log says which and why)")
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
     p.add_argument("--patience", type=Range(int, min=0), default=100,
@@ -82,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
-    p.add_argument("--channels-last", action="store_true",
-                   help="NHWC memory format (faster oneDNN convolutions on CPU; rounding differs from NCHW)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")
@@ -107,6 +109,7 @@ def main(opt: argparse.Namespace) -> None:
     dist.set_cpu_threads(info, opt.threads)
     ckpt = resolve_resume(opt) if opt.resume else None
     device = dist.select_device(opt.device, opt.batch_size, info)
+    opt.channels_last = dist.channels_last_default(opt.channels_last, device)  # resolved: saved with the run
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)

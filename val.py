@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
     p.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster on CPU; rounding differs)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
     p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
@@ -100,6 +101,7 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     dist.set_cpu_threads(info, opt.threads)
     check_opt(opt)
     device = dist.select_device(opt.device, info=info)
+    opt.channels_last = dist.channels_last_default(opt.channels_last, device)
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)

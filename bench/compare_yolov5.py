@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=None, help="where datasets, runs and logs go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
     p.add_argument("--only", choices=("ours", "yolov5"), default=None, help="run one tool only (debugging)")
-    p.add_argument("--channels-last", action="store_true",
-                   help="run ours with --channels-last (NHWC memory format; same recipe, different rounding)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="run ours with --channels-last or --no-channels-last (memory format; same recipe, different "
+                        "rounding; default: ours' default for the device, NHWC on CPU)")
     return p
 
 
@@ -285,7 +286,7 @@ def train_args(tool: str, opt: argparse.Namespace, data_yaml: Path, hyp: Path, p
 
 def _ours_extra(opt: argparse.Namespace) -> list[str]:
     """Implementation switches of ours that leave the recipe alone (YOLOv5 has no such flags)."""
-    return ["--channels-last"] if opt.channels_last else []
+    return [] if opt.channels_last is None else ["--channels-last" if opt.channels_last else "--no-channels-last"]
 
 
 def val_args(tool: str, opt: argparse.Namespace, weights: Path, data_yaml: Path, out: Path) -> list[str]:
@@ -373,7 +374,8 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
 
     lines = [f"yolov5{opt.model}, {any_['n_train']} train / {any_['n_val']} val images, {opt.imgsz}px, batch "
              f"{opt.batch_size}, {opt.epochs} epoch(s), workers {opt.workers}, seed {opt.seed}, CPU; "
-             f"best of {any_['rounds']} round(s)" + ("; ours with --channels-last" if opt.channels_last else ""),
+             f"best of {any_['rounds']} round(s)" + ("" if opt.channels_last is None else
+                                                     f"; ours with --{'' if opt.channels_last else 'no-'}channels-last"),
              f"{'':<31}{'ours':>10}{'yolov5':>10}{'yolov5/ours':>13}", "-" * 64]
     for label, fmt, agg, key, time_like in rows:
         a, b = value(o, key, agg), value(y, key, agg)

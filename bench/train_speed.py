@@ -8,10 +8,10 @@
     python bench/train_speed.py --models n --imgsz 320 --profile torch   # where the step's time goes
 
 Each configuration is set up by train.py's own builder: ``utils.engine.setup.build_training`` on
-arguments parsed by ``train.build_parser()`` (--cfg models/yolov5<size>.yaml, this script's --data,
---hyp, --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last; --epochs 1,
+arguments parsed by ``train.build_parser()`` (--cfg models/<model>.yaml, this script's --data,
+--hyp (default: train.py's for the family), --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last; --epochs 1,
 --noautoanchor, --noplots, the run folder in a temporary directory that is removed afterwards).
-So the loader (mosaic etc. from hyp.scratch-low.yaml), model, optimizer, EMA, loss, AMP +
+So the loader (mosaic etc. from the hyp file), model, optimizer, EMA, loss, AMP +
 GradScaler on CUDA and DDP under torchrun are exactly train.py's. Each step is train_one_epoch's,
 from the loop's shared pieces (utils/engine/loop.py): ``prepare_images``, forward and
 ``criterion`` under autocast, ``check_step`` (the per-step NaN all-reduce), ``backward``, and
@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
@@ -96,6 +97,7 @@ class Result:
     mfu_matmul: float = 0.0
     mfu_conv: float = 0.0
     device: str = "cpu"
+    layout: str = "NCHW"  # memory format of activations (NHWC: channels-last)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's."""
     p = ArgumentParser(description=__doc__.splitlines()[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["n", "s"], help="model sizes (models/yolov5<size>.yaml)")
+    p.add_argument("--models", nargs="+", default=["n", "s"],
+                   help="models: a YOLOv5 size (n -> models/yolov5n.yaml) or a yaml name such as yolov8n")
     p.add_argument("--imgsz", nargs="+", type=IMGSZ, default=[320, 640], help="training image sizes")
     p.add_argument("--batch-size", type=Range(int, min=1), default=16,
                    help="global batch, split over ranks as in train.py")
@@ -122,11 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=Range(int, min=0), default=0,
                    help="torch intra-op threads per rank (0: train.py's default)")
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--hyp", default=str(ROOT / "hyps" / "hyp.scratch-low.yaml"), help="hyperparameters yaml")
+    p.add_argument("--hyp", default=None, help="hyperparameters yaml (default: train.py's for the model's family)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--ref-seconds", type=Range(float, min=0), default=1.0, help="time spent on each reference kernel")
     p.add_argument("--no-sync", action="store_true", help="no device sync between phases (CUDA: total only)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory format, as train.py --channels-last")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="memory format, as train.py's flag (default: train.py's for the device)")
+    p.add_argument("--both-layouts", action="store_true",
+                   help="time every configuration in NCHW and then NHWC, back to back, and print NHWC's speed-up")
     p.add_argument("--ddp-no-sync", action="store_true",
                    help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
                         "train.py does today; same math, different float summation order)")
@@ -211,19 +217,29 @@ def train_opt(size: str, imgsz: int, opt: argparse.Namespace, project: str) -> a
     """train.py's own arguments for one configuration, parsed by train.py's parser (its defaults and checks)."""
     import train
 
-    argv = ["--data", opt.data, "--hyp", opt.hyp, "--cfg", str(ROOT / "models" / f"yolov5{size}.yaml"),
+    argv = ["--data", opt.data, "--cfg", str(ROOT / "models" / f"{model_name(size)}.yaml"),
             "--imgsz", str(imgsz), "--batch-size", str(opt.batch_size), "--workers", str(opt.workers),
             "--threads", str(opt.threads), "--seed", str(opt.seed), "--device", opt.device, "--epochs", "1",
-            "--noautoanchor", "--noplots", "--project", project, "--name", f"yolov5{size}-{imgsz}", "--exist-ok"]
-    return train.build_parser().parse_args(argv + (["--channels-last"] if opt.channels_last else []))
+            "--noautoanchor", "--noplots", "--project", project, "--name", f"{model_name(size)}-{imgsz}", "--exist-ok"]
+    argv += ["--hyp", opt.hyp] if opt.hyp else []
+    argv += [] if opt.channels_last is None else ["--channels-last" if opt.channels_last else "--no-channels-last"]
+    return train.build_parser().parse_args(argv)
+
+
+def model_name(size: str) -> str:
+    """--models entry -> yaml stem: a bare YOLOv5 size letter, or a name as given."""
+    return size if size.startswith("yolo") else f"yolov5{size}"
 
 
 def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
     """Build train.py's set-up for one model and image size (``build_training``), and time its steps."""
+    from utils.core import dist
     from utils.engine.setup import build_training
 
     with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
-        t = build_training(train_opt(size, imgsz, opt, project), info, device, ckpt=None)
+        targs = train_opt(size, imgsz, opt, project)
+        targs.channels_last = dist.channels_last_default(targs.channels_last, device)  # as train.py resolves it
+        t = build_training(targs, info, device, ckpt=None)
         # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
         t.train_loader.dataset.mosaic_off_from_epoch = None
         try:
@@ -271,7 +287,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                 pred = model(imgs)
                 sync()
                 t3 = time.perf_counter()
-                loss, loss_items = t.criterion(pred, batch.targets.to(device))
+                loss, loss_items = t.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
             check_step(loss_items, 0, k, info, False, t.criterion.loss_names)
@@ -298,11 +314,12 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     ms = {name: 1e3 * sum(p["totals"][name] for p in parts) / len(parts) / steps for name in PHASES}
     for r, p in enumerate(parts):
         if p["profile"]:
-            print(f"\n--- profile, yolov5{size} {t.imgsz}px, rank {r} ---\n{p['profile']}")
-    return Result(model=f"yolov5{size}", imgsz=t.imgsz, world_size=world, batch=t.batch * world,
+            print(f"\n--- profile, {model_name(size)} {t.imgsz}px, rank {r} ---\n{p['profile']}")
+    return Result(model=model_name(size), imgsz=t.imgsz, world_size=world, batch=t.batch * world,
                   threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
                   steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
-                  train_gflops_per_img=3 * gflops, device=device.type)
+                  train_gflops_per_img=3 * gflops, device=device.type,
+                  layout="NHWC" if t.opt.channels_last else "NCHW")
 
 
 def _sync_all(device: torch.device) -> None:
@@ -351,15 +368,25 @@ def finish_result(r: Result, mm: float, cv: float) -> Result:
     return r
 
 
+def layout_ratios(results: list[Result]) -> str:
+    """NHWC img/s over NCHW img/s for each configuration timed in both (same run, back to back)."""
+    by_key = {(r.model, r.imgsz, r.world_size, r.layout): r.img_s for r in results}
+    lines = ["NHWC (channels-last) speed-up over NCHW, same run:"]
+    for (model, imgsz, world, layout), img_s in by_key.items():
+        if layout == "NHWC" and (model, imgsz, world, "NCHW") in by_key:
+            lines.append(f"  {model} {imgsz}px x{world}: {img_s / by_key[model, imgsz, world, 'NCHW']:.2f}x")
+    return "\n".join(lines)
+
+
 def format_results(results: list[Result]) -> str:
     """A table: throughput, the per-step breakdown in ms (and its shares), FLOPs and MFU."""
-    head = (f"{'model':<8}{'px':>5}{'ranks':>6}{'thr':>4}{'wrk':>4}{'img/s':>8} |"
+    head = (f"{'model':<9}{'layout':>7}{'px':>5}{'ranks':>6}{'thr':>4}{'wrk':>4}{'img/s':>8} |"
             + "".join(f"{n:>10}" for n in PHASES) + f"{'step':>9} |{'GFLOP/img':>10}{'GFLOP/s':>9}"
             f"{'MFU mm':>8}{'MFU cv':>8}{'ref mm':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         step = sum(r.ms.values())
-        lines.append(f"{r.model:<8}{r.imgsz:>5}{r.world_size:>6}{r.threads:>4}{r.workers:>4}{r.img_s:>8.1f} |"
+        lines.append(f"{r.model:<9}{r.layout:>7}{r.imgsz:>5}{r.world_size:>6}{r.threads:>4}{r.workers:>4}{r.img_s:>8.1f} |"
                      + "".join(f"{r.ms[n]:>8.0f}ms" for n in PHASES) + f"{step:>7.0f}ms |"
                      f"{r.train_gflops_per_img:>10.2f}{r.train_gflops_per_img * r.img_s:>9.1f}"
                      f"{100 * r.mfu_matmul:>7.1f}%{100 * r.mfu_conv:>7.1f}%{r.ref_matmul_gflops:>8.0f}")
@@ -392,7 +419,7 @@ def scaling(opt: argparse.Namespace, argv: list[str]) -> None:
             multi = _run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                                str(Path(__file__).resolve()), *base_cfg, *one], env)
             rows.append((single, multi))
-            print(f"yolov5{size} {imgsz}px: 1 process {single.img_s:.1f} img/s ({single.threads} threads), "
+            print(f"{model_name(size)} {imgsz}px: 1 process {single.img_s:.1f} img/s ({single.threads} threads), "
                   f"{n} processes {multi.img_s:.1f} img/s ({multi.threads} threads each): "
                   f"speed-up {multi.img_s / single.img_s:.2f}x, efficiency {multi.img_s / (n * single.img_s):.0%}",
                   flush=True)
@@ -463,22 +490,24 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_distributed(info, device)
     try:
         results = []
-        for size in opt.models:
-            for imgsz in opt.imgsz:
-                # the machine's limit just before each configuration: on a shared machine it drifts
-                mm, cv = reference_flops(device, opt.ref_seconds)
-                mm_all, cv_all = (sum(v) for v in zip(*dist.all_gather_object((mm, cv))))
-                r = run_config(size, imgsz, opt, device, info)
-                if r is not None:
-                    results.append(finish_result(r, mm_all, cv_all))
-                    print(f"yolov5{size} {imgsz}px: {r.img_s:.1f} img/s; reference ({torch.get_num_threads()} "
-                          f"threads x {info.world_size} rank(s), {'fp16' if device.type == 'cuda' else 'fp32'}): "
-                          f"matmul {mm_all / 1e9:.1f} GFLOP/s, 3x3 conv {cv_all / 1e9:.1f} GFLOP/s", flush=True)
+        layouts = (False, True) if opt.both_layouts else (opt.channels_last,)
+        for size, imgsz, layout in itertools.product(opt.models, opt.imgsz, layouts):
+            # the machine's limit just before each configuration: on a shared machine it drifts
+            mm, cv = reference_flops(device, opt.ref_seconds)
+            mm_all, cv_all = (sum(v) for v in zip(*dist.all_gather_object((mm, cv))))
+            r = run_config(size, imgsz, argparse.Namespace(**{**vars(opt), "channels_last": layout}), device, info)
+            if r is not None:
+                results.append(finish_result(r, mm_all, cv_all))
+                print(f"{model_name(size)} {imgsz}px {r.layout}: {r.img_s:.1f} img/s; reference ({torch.get_num_threads()} "
+                      f"threads x {info.world_size} rank(s), {'fp16' if device.type == 'cuda' else 'fp32'}): "
+                      f"matmul {mm_all / 1e9:.1f} GFLOP/s, 3x3 conv {cv_all / 1e9:.1f} GFLOP/s", flush=True)
         if info.is_main:
             print(f"\nbatch {opt.batch_size} global, accumulate {results[0].accumulate if results else '-'}, "
                   f"{results[0].steps if results else opt.steps} timed steps after warm-up, ms per step averaged over ranks"
                   + (", DDP no_sync on accumulation steps" if opt.ddp_no_sync and info.distributed else ""))
             print(format_results(results))
+            if opt.both_layouts:
+                print(layout_ratios(results))
             if opt.json:
                 Path(opt.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     finally:

@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=Range(int, min=0), default=0, help="seed of the fresh model")
     p.add_argument("--runs", type=Range(int, min=1), default=2, help="end-to-end runs (the first one is cold)")
     p.add_argument("--noplots", action="store_true", help="pass --noplots to val.py (plots are timed otherwise)")
-    p.add_argument("--channels-last", action="store_true", help="pass --channels-last to val.py")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="pass --channels-last or --no-channels-last to val.py (default: val.py's for the device)")
     return p
 
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(a.batch_size), "--workers", str(a.workers), "--device", a.device]
         val_argv += ["--project", str(Path(tmp) / "runs"), "--exist-ok"]  # val.py's result files go to the temp dir
         val_argv += ["--noplots"] if a.noplots else []
-        val_argv += ["--channels-last"] if a.channels_last else []
+        val_argv += [] if a.channels_last is None else ["--channels-last" if a.channels_last else "--no-channels-last"]
         print(f"val.py {' '.join(val_argv)}  ({torch.get_num_threads()} threads)", flush=True)
         runs = [one_run(val_argv) for _ in range(a.runs)]
     print()

@@ -348,3 +348,17 @@ def test_loss_is_batched_code_only():
     tree = ast.parse((ROOT / "models" / "heads" / "dfl_loss.py").read_text())
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor, ast.comprehension))]
     assert loops and all(isinstance(n, ast.comprehension) and ast.unparse(n.iter) == "preds" for n in loops)
+
+
+def test_loss_reads_nothing_back_from_the_device():
+    """Outputs on the meta device (shapes, no data) with the loader's host targets: any host sync
+    in target padding, assignment or the loss (int(), .item(), a boolean-mask gather) would raise."""
+    torch.manual_seed(0)
+    head = TinyHead()
+    feats = [torch.randn(2, 16, int(HW[0] // s), int(HW[1] // s)) for s in STRIDES]
+    preds = [p.detach().to("meta").requires_grad_() for p in head(feats)]
+    head.to("meta")
+    targets = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.5, 0.5, 0.6, 0.7], [1, 0, 0.05, 0.9, 0.1, 0.2]])
+    loss, items = DFLLoss(head, GAINS)._loss(preds, targets)  # _loss: autocast has no meta device
+    loss.backward()
+    assert loss.device.type == items.device.type == preds[0].grad.device.type == "meta"

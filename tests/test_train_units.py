@@ -50,3 +50,32 @@ def test_resumed_lr_schedule_matches_the_uninterrupted_one():
             resumed.append(opt2.param_groups[0]["lr"])
             sched2.step()
         assert resumed == straight[s:], f"resume at epoch {s}"
+
+
+def test_optimizer_auto_follows_each_family_and_the_schedule_length():
+    from utils.engine.optim import AUTO_SGD_ITERATIONS, choose_optimizer
+    hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
+    yolov5 = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=True)
+    assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
+    short = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
+    assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667, 0.9, 0.0)
+    assert "390 nominal-batch steps" in short.reason  # ceil(800 / 64) * 30
+    steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
+    epochs = AUTO_SGD_ITERATIONS // steps_per_epoch + 1
+    long = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs, anchored=False)
+    assert (long.name, long.lr, long.momentum) == ("SGD", 0.01, 0.9)
+    at_limit = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=16, epochs=epochs - 1, anchored=False)
+    assert at_limit.name == "AdamW"
+    named = choose_optimizer("AdamW", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
+    assert (named.name, named.lr, named.momentum, named.warmup_bias_lr) == ("AdamW", 0.02, 0.95, 0.2)
+
+
+def test_a_resume_keeps_the_runs_optimizer_choice():
+    """More --epochs on resume could flip the auto rule; the checkpoint's choice wins."""
+    from dataclasses import asdict
+
+    from utils.engine.optim import choose_optimizer
+    from utils.engine.setup import resume_choice
+    choice = choose_optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10, anchored=False)
+    assert resume_choice({"optimizer_choice": asdict(choice)}) == choice
+    assert resume_choice({"epoch": 3}) is None and resume_choice(None) is None

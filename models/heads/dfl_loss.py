@@ -73,9 +73,10 @@ class DFLLoss:
     """Loss for an anchor-free head's raw training outputs against normalised targets.
 
     Returns (total * batch size, shape (1,)) and the detached [box, cls, dfl] items, as AnchorLoss.
-    It computes in float32 (float64 if the outputs are), outside autocast. The only host sync is
-    ``pad_targets``' read of the largest per-image target count; the foreground is never gathered
-    by a boolean mask: box and DFL terms run on every anchor with weight 0 off the foreground.
+    It computes in float32 (float64 if the outputs are), outside autocast. Give it the loader's host
+    targets: padding them there needs no device sync, and the loss has none of its own (the
+    foreground is never gathered by a boolean mask: box and DFL terms run on every anchor with
+    weight 0 off the foreground).
     """
 
     loss_names = ("box", "cls", "dfl")
@@ -103,7 +104,7 @@ class DFLLoss:
         points, strides = make_anchors(shapes, stride)  # grid units
         pred_boxes = dist2bbox(distribution_mean(dist_logits, reg_max), points)  # xyxy, grid units
         image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
-        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(device=device, dtype=dtype), bs, image_hw)
+        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(dtype=dtype), bs, image_hw)
         assigned = self.assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides,
                                  gt_labels, gt_boxes, gt_mask)
 

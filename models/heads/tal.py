@@ -107,33 +107,32 @@ def pad_targets(
     """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count.
 
     Returns classes (B, M) long, boxes (B, M, 4) xyxy in input pixels and the mask (B, M) of real
-    rows; padding is class 0, box 0 and masked out. Rows may come in any image order (a stable
-    sort keeps each image's own order). ``image_hw`` (2,) is the input size on the targets'
-    device, so scaling copies nothing from the host. Image indices must be below batch_size
-    (not checked: that would be a host sync).
+    rows, on ``image_hw``'s device; padding is class 0, box 0 and masked out. Rows may come in any
+    image order (a stable sort keeps each image's own order). ``image_hw`` (2,) is the input size.
+    Image indices must be below batch_size (not checked).
 
-    Host sync: reading M, the largest count, back from the device (the padded width is a
-    shape). It is the only one, and none happens when there are no targets at all.
+    The padding is built where ``targets`` are: the loader's host tensor, so reading M (a shape)
+    costs no device sync; only the padded tensors are copied to the device, then scaled there.
     """
-    device, dtype = targets.device, targets.dtype
+    host, device, dtype = targets.device, image_hw.device, targets.dtype
     n = targets.shape[0]
     if n == 0:
         return (torch.zeros(batch_size, 0, dtype=torch.long, device=device),
                 torch.zeros(batch_size, 0, 4, dtype=dtype, device=device),
                 torch.zeros(batch_size, 0, dtype=torch.bool, device=device))
     image = targets[:, 0].long()
-    # scatter_add, not bincount: on CUDA bincount reads the largest index back to size its output
-    counts = torch.zeros(batch_size, dtype=torch.long, device=device).scatter_add_(0, image, torch.ones_like(image))
-    m = int(counts.max())  # the host sync
+    counts = torch.zeros(batch_size, dtype=torch.long, device=host).scatter_add_(0, image, torch.ones_like(image))
+    m = int(counts.max())  # free on the host; a device sync if the caller passed device targets
     image_sorted, order = torch.sort(image, stable=True)
-    slot = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[image_sorted]
+    slot = torch.arange(n, device=host) - (counts.cumsum(0) - counts)[image_sorted]
     rows = targets[order]
-    labels = torch.zeros(batch_size, m, dtype=torch.long, device=device)
-    boxes = torch.zeros(batch_size, m, 4, dtype=dtype, device=device)
+    labels = torch.zeros(batch_size, m, dtype=torch.long, device=host)
+    xywh = torch.zeros(batch_size, m, 4, dtype=dtype, device=host)
     labels[image_sorted, slot] = rows[:, 1].long()
-    boxes[image_sorted, slot] = xywh2xyxy(rows[:, 2:6] * image_hw.to(dtype).flip(0).repeat(2))
-    mask = torch.arange(m, device=device) < counts[:, None]
-    return labels, boxes, mask
+    xywh[image_sorted, slot] = rows[:, 2:6]
+    mask = torch.arange(m, device=host) < counts[:, None]
+    boxes = xywh2xyxy(xywh.to(device, non_blocking=True) * image_hw.to(dtype).flip(0).repeat(2))
+    return labels.to(device, non_blocking=True), boxes, mask.to(device, non_blocking=True)
 
 
 # ------------------------------------------------------------------------------------ assigner

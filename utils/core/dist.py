@@ -103,6 +103,13 @@ def _world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
+def channels_last_default(flag: bool | None, device: torch.device) -> bool:
+    """--channels-last / --no-channels-last, or when neither is given the layout measured fastest
+    on the device: NHWC on CPU (oneDNN's convolutions run faster on it); NCHW on CUDA, where no
+    measurement has been made here yet."""
+    return (device.type == "cpu") if flag is None else bool(flag)
+
+
 def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None = None) -> torch.device:
     """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', '0', '0,1', 'cuda:0'.
 

@@ -3,6 +3,7 @@ checkpoint write, the pictures, and what happens at the end of an epoch."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ def make_checkpoint(t, state, epoch: int) -> dict:
         "ema": fp32_state_dict(t.ema.ema),
         "ema_updates": t.ema.updates,
         "optimizer": t.optimizer.state_dict(),
+        "optimizer_choice": asdict(t.optimizer_choice),
         "scaler": t.scaler.state_dict(),
         "early_stop": t.stopper.state_dict(),
         "rng": rng_states(),

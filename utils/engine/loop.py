@@ -64,7 +64,7 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
         plots.train_batch(batch, ni)
         with torch.autocast(t.device.type, enabled=t.amp):
             pred = t.model(imgs)
-            loss, loss_items = t.criterion(pred, batch.targets.to(t.device))
+            loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
         clock.pending |= check_step(loss_items, epoch, i, t.info, clock.due(t.info), t.criterion.loss_names)
         mloss = (mloss * i + loss_items) / (i + 1)
         backward(t, loss)

@@ -20,6 +20,47 @@ def accumulate_steps(batch_size: int) -> int:
     return max(round(NOMINAL_BATCH / batch_size), 1)
 
 
+AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """The optimizer a run trains with, after --optimizer auto is resolved. Saved in checkpoints so a
+    resume (even one with more --epochs, which could flip the auto rule) keeps the run's optimizer."""
+
+    name: str  # SGD, Adam or AdamW
+    lr: float
+    momentum: float  # SGD momentum / Adam beta1
+    warmup_bias_lr: float
+    reason: str
+
+
+def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: int, epochs: int,
+                     anchored: bool) -> OptimizerChoice:
+    """Resolve --optimizer. ``auto`` follows each family's recipe:
+
+    * anchor-based heads (YOLOv5): SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains;
+    * anchor-free heads (YOLOv8/YOLO11): short schedules (< AUTO_SGD_ITERATIONS optimizer steps at
+      the nominal batch) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup, which
+      learns much faster in few steps; long ones use SGD at lr 0.01, momentum 0.9 (Ultralytics' rule).
+
+    A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written.
+    """
+    if requested != "auto":
+        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested")
+    if anchored:
+        return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
+                               "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
+    iterations = math.ceil(n_images / max(batch_size, NOMINAL_BATCH)) * epochs
+    if iterations > AUTO_SGD_ITERATIONS:
+        return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
+                               f"auto: {iterations} nominal-batch steps > {AUTO_SGD_ITERATIONS}, a long schedule")
+    lr = round(0.002 * 5 / (4 + nc), 6)
+    return OptimizerChoice("AdamW", lr, 0.9, 0.0,
+                           f"auto: {iterations} nominal-batch steps <= {AUTO_SGD_ITERATIONS}, a short schedule; "
+                           f"lr 0.002 * 5 / (4 + {nc} classes)")
+
+
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,
                     decay: float = 1e-5) -> torch.optim.Optimizer:
     """Three parameter groups, in this order: biases (no decay), norm weights (no decay), other
@@ -46,7 +87,7 @@ def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, mome
         raise NotImplementedError(f"optimizer {name} not implemented")
     opt.add_param_group({"params": groups[0], "weight_decay": 0.0})
     opt.add_param_group({"params": groups[1], "weight_decay": decay})
-    LOGGER.info(f"optimizer: {name}(lr={lr}) with parameter groups {len(groups[0])} weight(decay=0.0), "
+    LOGGER.info(f"{name} parameter groups: {len(groups[0])} weight(decay=0.0), "
                 f"{len(groups[1])} weight(decay={decay}), {len(groups[2])} bias")
     return opt
 

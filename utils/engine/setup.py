@@ -31,8 +31,8 @@ from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.checkpoint import load_checkpoint, set_rng_states, to_plain
-from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, ModelEMA, Warmup, accumulate_steps, lr_lambda, \
-    make_scheduler, smart_optimizer
+from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, ModelEMA, OptimizerChoice, Warmup, accumulate_steps, \
+    choose_optimizer, lr_lambda, make_scheduler, smart_optimizer
 
 
 DEFAULT_MODEL = MODELS_DIR / "yolov5n.yaml"
@@ -66,6 +66,7 @@ class Training:
     model: nn.Module  # DDP-wrapped when distributed
     model_info: ModelInfo
     ema: ModelEMA
+    optimizer_choice: OptimizerChoice
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     lr_lambda: Callable[[float], float]
@@ -108,7 +109,10 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
         fit_anchors(model, train_loader.dataset, hyp, imgsz, opt.seed, info, force=na is not None)
     accumulate = accumulate_steps(opt.batch_size)
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
-    optimizer = smart_optimizer(model, opt.optimizer, hyp.lr0, hyp.momentum, decay)
+    choice = resume_choice(ckpt) or choose_optimizer(opt.optimizer, hyp, len(names), len(train_loader.dataset),
+                                                     opt.batch_size, opt.epochs, anchored)
+    LOGGER.info(f"optimizer: {choice.name} lr {choice.lr:g} momentum {choice.momentum:g} ({choice.reason})")
+    optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay)
     lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
     ema = ModelEMA(model)
     amp = device.type == "cuda"
@@ -119,12 +123,17 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     model = wrap_model(model, opt, info, device)
     criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
     nb = len(train_loader)  # before any resume skip shortens the sampler
-    warmup = Warmup(iters=max(round(hyp.warmup_epochs * nb), 100), bias_lr=hyp.warmup_bias_lr,
-                    momentum0=hyp.warmup_momentum, momentum=hyp.momentum)
+    warmup = Warmup(iters=max(round(hyp.warmup_epochs * nb), 100), bias_lr=choice.warmup_bias_lr,
+                    momentum0=hyp.warmup_momentum, momentum=choice.momentum)
     memory_format = torch.channels_last if opt.channels_last else torch.contiguous_format
-    return Training(opt, info, device, save_dir, hyp, data, names, model, model_info, ema, optimizer, scheduler, lf,
+    return Training(opt, info, device, save_dir, hyp, data, names, model, model_info, ema, choice, optimizer, scheduler, lf,
                     warmup, scaler, criterion, stopper, train_loader, val_loader, nb, imgsz, grid, batch,
                     accumulate, amp, memory_format, start)
+
+
+def resume_choice(ckpt: dict | None) -> OptimizerChoice | None:
+    """A resumed run's own optimizer choice (checkpoints from before --optimizer auto have none)."""
+    return OptimizerChoice(**ckpt["optimizer_choice"]) if ckpt and "optimizer_choice" in ckpt else None
 
 
 def model_cfg(opt: argparse.Namespace, source: dict | None) -> str | Path | dict:

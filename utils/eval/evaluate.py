@@ -120,11 +120,10 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
         t0 = time.perf_counter()
         imgs = batch.images.to(device, non_blocking=True)
         imgs = (imgs.half() if half else imgs.float()).div_(255).contiguous(memory_format=memory_format)
-        targets = batch.targets.to(device)
         t1 = time.perf_counter()
         preds, train_out = net(imgs)
         if criterion is not None:
-            loss += criterion([x.float() for x in train_out], targets)[1]
+            loss += criterion([x.float() for x in train_out], batch.targets)[1]  # host targets, as in training
         t2 = time.perf_counter()
         dets = non_max_suppression(preds.float(), opts.conf_thres, opts.iou_thres, multi_label=True,
                                    max_det=opts.max_det)
