@@ -230,7 +230,7 @@ def test_recipe_flags_save_period_multiscale_keep_optimizer_syncbn(tiny_data, tm
     assert sorted(f.name for f in weights.iterdir()) == ["best.pt", "epoch1.pt", "epoch2.pt", "last.pt"]
     assert "optimizer" in torch.load(weights / "last.pt", weights_only=True)  # kept, not stripped
     assert "--sync-bn needs CUDA and more than one rank" in p.stdout + p.stderr
-    assert "optimizer: AdamW" in p.stdout
+    assert "Optimizer: AdamW lr 0.01" in p.stdout and "as requested" in p.stdout  # hyp lr0 for a named optimizer
     last = torch.load(weights / "last.pt", weights_only=True)
     assert last["args"]["channels_last"] and all(torch.isfinite(v).all() for v in last["model"].values()
                                                  if v.is_floating_point())

@@ -59,7 +59,7 @@ def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
     short = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
     assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667, 0.9, 0.0)
-    assert "390 nominal-batch steps" in short.reason  # ceil(800 / 64) * 30
+    assert "390 steps of 64 images" in short.reason  # ceil(800 / 64) * 30
     steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
     epochs = AUTO_SGD_ITERATIONS // steps_per_epoch + 1
     long = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs, anchored=False)

@@ -40,9 +40,11 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
     """Resolve --optimizer. ``auto`` follows each family's recipe:
 
     * anchor-based heads (YOLOv5): SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains;
-    * anchor-free heads (YOLOv8/YOLO11): short schedules (< AUTO_SGD_ITERATIONS optimizer steps at
+    * anchor-free heads (YOLOv8/YOLO11): short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at
       the nominal batch) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup, which
-      learns much faster in few steps; long ones use SGD at lr 0.01, momentum 0.9 (Ultralytics' rule).
+      learns much faster in few steps (Ultralytics' rule); long ones use SGD at lr 0.01, momentum
+      0.9 with the hyp file's bias warmup (Ultralytics 8.3's choice; 8.4 switched to its own MuSGD,
+      which this project does not have).
 
     A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written.
     """
@@ -54,10 +56,10 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
     iterations = math.ceil(n_images / max(batch_size, NOMINAL_BATCH)) * epochs
     if iterations > AUTO_SGD_ITERATIONS:
         return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
-                               f"auto: {iterations} nominal-batch steps > {AUTO_SGD_ITERATIONS}, a long schedule")
+                               f"auto: {iterations} steps of {NOMINAL_BATCH} images > {AUTO_SGD_ITERATIONS}, a long schedule")
     lr = round(0.002 * 5 / (4 + nc), 6)
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
-                           f"auto: {iterations} nominal-batch steps <= {AUTO_SGD_ITERATIONS}, a short schedule; "
+                           f"auto: {iterations} steps of {NOMINAL_BATCH} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
                            f"lr 0.002 * 5 / (4 + {nc} classes)")
 
 

@@ -111,7 +111,6 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     choice = resume_choice(ckpt) or choose_optimizer(opt.optimizer, hyp, len(names), len(train_loader.dataset),
                                                      opt.batch_size, opt.epochs, anchored)
-    LOGGER.info(f"optimizer: {choice.name} lr {choice.lr:g} momentum {choice.momentum:g} ({choice.reason})")
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay)
     lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
     ema = ModelEMA(model)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from utils.core.hyp import Hyp
+from models.yolo import de_parallel
+from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
 from utils.engine.checkpoint import load_checkpoint
 from utils.engine.optim import NOMINAL_BATCH
-from utils.engine.setup import Training
+from utils.engine.setup import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, Training
 
 
 def log_start_summary(t: Training) -> None:
@@ -25,12 +26,17 @@ def log_start_summary(t: Training) -> None:
         lines.append(f"  {split:5} {c['images']} images, {c['instances']} instances, {c['backgrounds']} backgrounds, "
                      f"{c['corrupt']} corrupt")
     mi = t.model_info
-    lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or 'models/yolov5n.yaml'}: {mi.layers} layers, "
-                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px")
-    changed = hyp_changes(t.hyp)
+    layout = "NHWC (channels-last)" if opt.channels_last else "NCHW"
+    lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
+                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}")
+    family = DEFAULT_HYP if de_parallel(t.model).detect.has_anchors else DEFAULT_HYP_ANCHOR_FREE
+    changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
-        "differing from the defaults: " + ", ".join(f"{k}={v:g} (default {d:g})" for k, (v, d) in changed.items())
-        if changed else "all YOLOv5 scratch-low defaults"))
+        f"differing from {family.name}: " + ", ".join(f"{k}={v:g} ({d:g})" for k, (v, d) in changed.items())
+        if changed else f"the family's defaults ({family.name})"))
+    c = t.optimizer_choice
+    lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.warmup.iters} "
+                 f"iterations (bias lr from {c.warmup_bias_lr:g}); {c.reason}")
     epoch, batches = t.start.epoch, t.start.batches_done
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
     lines.append(f"Training {opt.epochs} epochs of {t.imgsz} px images"
@@ -38,9 +44,9 @@ def log_start_summary(t: Training) -> None:
     LOGGER.info("\n".join(lines))
 
 
-def hyp_changes(hyp: Hyp) -> dict[str, tuple[float, float]]:
-    """Hyperparameters that differ from the defaults: name -> (value, default)."""
-    default = Hyp().as_dict()
+def hyp_changes(hyp: Hyp, baseline: Hyp | None = None) -> dict[str, tuple[float, float]]:
+    """Hyperparameters that differ from ``baseline`` (the built-in defaults when None): name -> (value, baseline)."""
+    default = (baseline or Hyp()).as_dict()
     return {k: (v, default[k]) for k, v in hyp.as_dict().items() if v != default[k]}
 
 
