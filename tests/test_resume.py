@@ -121,6 +121,25 @@ def test_mid_epoch_checkpoint_resumes_exactly(tiny_data, tmp_path, reference):
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
 
 
+def test_nchw_layout_resumes_exactly_and_keeps_its_layout(tiny_data, tmp_path):
+    """CPU trains NHWC by default; --no-channels-last (NCHW) is the other layout, exact on its own,
+    and a resume given no layout flag keeps the one the run started with."""
+    nchw = ("--no-channels-last",)
+    p = _train([sys.executable], tiny_data, tmp_path, "straight", extra=nchw)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "NCHW" in p.stdout
+    die = (str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:2")
+    p = _train([sys.executable], tiny_data, tmp_path, "cut", extra=(*nchw, "--save-interval", "1e-9"), script=die)
+    assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
+    last = tmp_path / "cut" / "weights" / "last.pt"
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    resumed = torch.load(last, weights_only=True)
+    assert resumed["args"]["channels_last"] is False
+    _assert_same_run(torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True), resumed)
+
+
 @pytest.fixture(scope="module")
 def interrupted(tiny_data, tmp_path_factory):
     """A run killed after its first checkpoint (copied per test, since resuming changes it)."""
