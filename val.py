@@ -4,12 +4,18 @@
     python val.py --weights runs/train/exp/weights/best.pt
     torchrun --nproc_per_node 2 val.py --weights best.pt --data my.yaml --save-json
     python val.py --weights best.pt --task speed
+    python val.py --weights best.onnx        # an export.py file: its metadata names the dataset and size
 
 Every rank scores a contiguous shard of whole batches (utils/eval/evaluate.py, the same library
 training validates with); the numbers do not depend on the world size. Rank 0 then saves into
 runs/val/exp, exp2, ...: --save-txt labels/<stem>.txt; --save-json predictions.json and
 ground_truth.json (COCO, ids as in utils/eval/coco.py, so pycocotools reproduces the mAP); either
 also metrics.json; and the curves, confusion matrix and batch pictures unless --noplots.
+
+--weights may also be an export.py file (.onnx, .torchscript), run through the same backend as
+detect.py (utils/infer/backends.py). A fixed-shape export is scored with square --imgsz inputs
+(no rect batches), so compare it with ``val.py --weights best.pt --no-rect``; a --dynamic export
+is scored like its checkpoint, rect batches included.
 """
 from __future__ import annotations
 
@@ -31,10 +37,10 @@ from utils.core.runs import increment_path
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
-from utils.engine.checkpoint import load_model
 from utils.eval import coco
 from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
 from utils.eval.outputs import save_eval_plots, save_json, save_txt
+from utils.infer.backends import Backend, load_backend
 
 DEFAULT_DATA = ROOT / "data" / "shapes.yaml"
 
@@ -46,7 +52,8 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
     p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--weights", nargs="+", required=True, help="checkpoint path(s) written by train.py, scored in turn")
+    p.add_argument("--weights", nargs="+", required=True,
+                   help="checkpoint path(s) written by train.py, or .onnx/.torchscript files from export.py, scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch (per rank)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
@@ -54,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf-thres", type=Range(float, min=0, max=1), default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=Range(float, min=0, max=1), default=0.6, help="NMS IoU threshold")
     p.add_argument("--max-det", type=Range(int, min=1), default=300, help="maximum detections per image")
+    p.add_argument("--rect", action=argparse.BooleanOptionalAction, default=None,
+                   help="rectangular batches (default: on, except for fixed-shape exports, which take square inputs)")
     p.add_argument("--task", default="val", choices=("val", "test", "speed"),
                    help="split to score; speed: time the val split at conf 0.25, IoU 0.45, saving nothing")
     p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
@@ -116,19 +125,20 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
 
 def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistInfo, device: torch.device,
                         loaders: dict[tuple, DataLoader] | None = None) -> EvalResult:
-    """Score one checkpoint: its model, the split it names (or --data), one evaluation, the files asked for."""
-    model, ckpt = load_model(weights, device)
-    args = ckpt.get("args", {})
-    data, names, single_cls = load_split_config(opt, args, info)
-    if model.detect.nc != len(names):
-        raise UserError(f"{weights}: model has {model.detect.nc} classes but {data.file} has {len(names)}")
-    imgsz = opt.imgsz or int(args.get("imgsz", 640))
+    """Score one checkpoint or exported file: its model, the split it names (or --data), one evaluation,
+    the files asked for."""
+    model = load_backend(weights, device)  # a checkpoint's model is fused here, in place: val.py's own copy
+    meta = model.meta
+    data, names, single_cls = load_split_config(opt, {"data": meta.data, "single_cls": meta.single_cls}, info)
+    if meta.nc != len(names):
+        raise UserError(f"{weights}: model has {meta.nc} classes but {data.file} has {len(names)}")
+    imgsz, rect = input_shape(opt, model, weights)
     run_dir = pick_save_dir(opt, info)  # before the scan: its problem report goes there (only if it has problems)
-    loader = get_loader(opt, data, single_cls, imgsz, max(int(model.stride.max()), 32), info, run_dir,
-                        {} if loaders is None else loaders)
-    LOGGER.info(f"{weights}: epoch {int(ckpt.get('epoch', -1)) + 1}, {len(names)} classes, imgsz {imgsz}")
+    loader = get_loader(opt, data, single_cls, imgsz, max(meta.stride, 32), info, run_dir,
+                        {} if loaders is None else loaders, rect)
+    kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
+    LOGGER.info(f"{weights}: epoch {meta.epoch + 1}, {len(names)} classes, imgsz {imgsz}{kind}")
     save_dir = make_save_dir(opt, info, run_dir)
-    model.fuse()  # in place: this model is val.py's own, so the evaluation need not copy it
     options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=opt.half,
                           channels_last=opt.channels_last, fuse=False, keep_detections=opt.save_txt or opt.save_json,
                           keep_batches=0 if opt.noplots else 3, skip_first_timing=True, verbose=opt.verbose,
@@ -141,6 +151,18 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     if save_dir is not None and info.is_main:  # after the evaluation's broadcast: a write error stalls no rank
         save_outputs(opt, result, loader.dataset, names, save_dir, weights, data, imgsz)
     return result
+
+
+def input_shape(opt: argparse.Namespace, model: Backend, weights: str) -> tuple[int, bool]:
+    """The size and batching scored: --imgsz (or the model's), rect unless --no-rect; a fixed-shape export
+    takes only its own square size."""
+    meta = model.meta
+    if meta.dynamic:
+        return opt.imgsz or meta.imgsz, opt.rect is not False
+    if opt.imgsz not in (None, meta.imgsz) or opt.rect:
+        raise UserError(f"{weights}: a fixed-shape export takes {meta.input_rule()}; drop --imgsz/--rect or "
+                        "re-export with --dynamic")
+    return meta.imgsz, False
 
 
 def task_split(opt: argparse.Namespace) -> str:
@@ -160,17 +182,17 @@ def load_split_config(opt: argparse.Namespace, args: dict, info: dist.DistInfo) 
 
 
 def get_loader(opt: argparse.Namespace, data: DataConfig, single_cls: bool, imgsz: int, stride: int,
-               info: dist.DistInfo, run_dir: Path, loaders: dict[tuple, DataLoader]) -> DataLoader:
+               info: dist.DistInfo, run_dir: Path, loaders: dict[tuple, DataLoader], rect: bool = True) -> DataLoader:
     """The split's loader, shared by the checkpoints scored on the same split and size.
 
     New workers forked from a process whose heap already holds a validation's activations make
     every page they write a copy-on-write fault, and the label cache need not be read again.
     """
     task = task_split(opt)
-    key = (str(data.file), task, imgsz, stride, single_cls)
+    key = (str(data.file), task, imgsz, stride, single_cls, rect)
     if key not in loaders:  # nc is the file's class count: single-cls relabels rows to 0 after the scan
         loaders[key] = create_dataloader(getattr(data, task), imgsz, opt.batch_size, stride, info=info,
-                                         single_cls=single_cls, rect=True, pad=0.5, workers=opt.workers,
+                                         single_cls=single_cls, rect=rect, pad=0.5, workers=opt.workers,
                                          nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir,
                                          prefix=f"{task}: ", report_dir=run_dir)
     return loaders[key]

@@ -45,3 +45,49 @@ def tiny_data(tmp_path_factory) -> Path:
         "generate: shapes\ngenerate_args: {seed: 1, n_train: 16, n_val: 8, img_size: 96}\n"
     )
     return yaml_file
+
+
+def _train_confident(data: Path, project: Path, cfg: str) -> Path:
+    """best.pt of a 1-epoch run at imgsz 64 on ``data``, its head biases raised so it detects at conf 0.25.
+
+    One epoch from scratch finds nothing above 0.25; with objectness (anchor head) or class scores
+    (anchor-free head) lifted it draws boxes, some on objects, so detections and mAP are non-zero.
+    """
+    import re
+    import subprocess
+
+    from utils.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    args = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0",
+            "--seed", "3", "--noplots"]
+    name = Path(cfg).stem
+    p = subprocess.run([PYTHON, "train.py", "--data", str(data), "--cfg", cfg, "--project", str(project), "--name",
+                        name, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    path = project / name / "weights" / "best.pt"
+    ckpt = load_checkpoint(path)
+    nc = ckpt["model_yaml"]["nc"]
+    for state in (ckpt["model"], ckpt["ema"]):
+        anchor = [k for k in state if re.fullmatch(r"model\.\d+\.m\.\d+\.bias", k) and state[k].numel() == 3 * (nc + 5)]
+        dfl = [k for k in state if re.fullmatch(r"model\.\d+\.cv3\.\d+\.2\.bias", k) and state[k].numel() == nc]
+        assert len(anchor) == 3 or len(dfl) == 3, (anchor, dfl)
+        for k in anchor:
+            b = state[k].view(3, nc + 5)
+            b[:, 4] += 6.0  # objectness
+            b[:, 5:] += 2.0  # class scores
+        for k in dfl:
+            state[k] += 8.0  # class scores
+    save_checkpoint(ckpt, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_v5n(tiny_data, tmp_path_factory) -> Path:
+    """An anchor-based (YOLOv5n) tiny_data checkpoint that detects at conf 0.25 (see _train_confident)."""
+    return _train_confident(tiny_data, tmp_path_factory.mktemp("v5n"), "models/yolov5n.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_v8n(tiny_data, tmp_path_factory) -> Path:
+    """An anchor-free (YOLOv8n) tiny_data checkpoint that detects at conf 0.25 (see _train_confident)."""
+    return _train_confident(tiny_data, tmp_path_factory.mktemp("v8n"), "models/yolov8n.yaml")

@@ -13,7 +13,7 @@ from tests.conftest import ROOT, run_env
 from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
 
 BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
-         "train_speed", "val_speed")
+         "train_speed", "val_speed", "infer_speed", "compare_ultralytics", "photo_dataset")
 
 
 def _bench_parser(name: str) -> argparse.ArgumentParser:

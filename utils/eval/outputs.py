@@ -16,16 +16,26 @@ from utils.eval.evaluate import EvalResult
 from utils.eval.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
 
 
+def label_rows(det: np.ndarray, hw: tuple[int, int], save_conf: bool) -> list[str]:
+    """(n, 6) original-pixel detections -> YOLO label lines ``cls xc yc w h [conf]`` normalised to the
+    (h, w) image, ``%g`` as YOLOv5 writes them; val.py and detect.py both write these."""
+    h0, w0 = hw
+    xywhn = xyxy2xywhn(det[:, :4].astype(np.float64), w=w0, h=h0)
+    lines = []
+    for (*xywh, conf, cls) in np.concatenate([xywhn, det[:, 4:6]], 1).tolist():
+        line = (int(cls), *xywh, conf) if save_conf else (int(cls), *xywh)
+        lines.append(("%g " * len(line)).rstrip() % line)
+    return lines
+
+
 def save_txt(detections: list[tuple[int, np.ndarray]], dataset, save_dir: Path, save_conf: bool) -> Path:
     """labels/<stem>.txt, one ``cls xc yc w h [conf]`` row per detection, normalised to the original
     image (YOLOv5's format; images without detections get no file)."""
     rows: dict[str, list[str]] = {}  # stem -> lines; stems repeated across folders share a file
     for index, det in detections:
         h0, w0 = (int(v) for v in dataset.image_hw[index])
-        xywhn = xyxy2xywhn(det[:, :4].astype(np.float64), w=w0, h=h0)
-        for (*xywh, conf, cls) in np.concatenate([xywhn, det[:, 4:6]], 1).tolist():
-            line = (int(cls), *xywh, conf) if save_conf else (int(cls), *xywh)
-            rows.setdefault(Path(dataset.im_files[index]).stem, []).append(("%g " * len(line)).rstrip() % line)
+        if len(det):
+            rows.setdefault(Path(dataset.im_files[index]).stem, []).extend(label_rows(det, (h0, w0), save_conf))
     folder = Path(save_dir) / "labels"
     folder.mkdir(parents=True, exist_ok=True)
     for stem, lines in rows.items():

@@ -310,6 +310,27 @@ def _draw_box(img: np.ndarray, box: np.ndarray, color: tuple[int, int, int], tex
     cv2.putText(img, text, (q1[0], q1[1] + th), cv2.FONT_HERSHEY_SIMPLEX, fs, ink, max(lw - 1, 1), cv2.LINE_AA)
 
 
+def draw_detections(img: np.ndarray, det: Any, names: Any, line_width: int = 0, labels: bool = True,
+                    conf: bool = True) -> np.ndarray:
+    """Draw (n, 6) [x1, y1, x2, y2, conf, cls] original-pixel detections on a BGR image, in place.
+
+    Colours are the class colours of every other picture (class_color, given here in BGR order).
+    ``line_width`` 0 scales with the image (YOLOv5's Annotator rule, 2 px at least), so boxes stay
+    visible on a 4K frame and do not swamp a thumbnail. Returns ``img``.
+    """
+    d = _to_numpy(det).reshape(-1, 6)
+    lw = line_width or max(round(sum(img.shape[:2]) / 2 * 0.003), 2)
+    fs = lw / 3
+    for x1, y1, x2, y2, score, c in d[::-1].tolist():  # the most confident last, on top (as YOLOv5 draws)
+        text = (_name(names, int(c)) + (f" {score:.2f}" if conf else "")) if labels else ""
+        color = class_color(int(c))[::-1]
+        if text:
+            _draw_box(img, np.array([x1, y1, x2, y2]), color, text, lw, fs, tile=(0, 0, img.shape[1]))
+        else:
+            cv2.rectangle(img, (int(x1), int(y1)), (int(x2), int(y2)), color, lw, cv2.LINE_AA)
+    return img
+
+
 def plot_images(images: Any, targets: Any, paths: Sequence[str] | None, names: Any, path: str | Path,
                 max_subplots: int = 16, conf_thres: float = 0.25) -> Path:
     """A grid of batch images with their boxes: train_batch*.jpg, val_batch*_labels.jpg / _pred.jpg.

@@ -1,0 +1,268 @@
+"""One way to run a detector, whatever file it comes from: a yolotrain checkpoint, ONNX or TorchScript.
+
+A ``Backend`` is called like a ``Model`` in eval mode: images (B, 3, H, W), float in [0, 1] (or
+uint8 0-255), -> ``(decoded, raw)``, where ``decoded`` is the head's (B, N, 4 + nc) form (box
+centre and size in input pixels, one score per class; models/heads/base.py) and ``raw`` the
+per-level outputs, which only a checkpoint has (exported graphs end at the decoding). So
+``evaluate_model`` (val.py) and detect.py's ``Predictor`` run every backend through the same
+NMS and unletterboxing code. ``backend.meta`` says what the network needs and what it predicts.
+
+Input shapes: a checkpoint and a ``--dynamic`` export take any batch and any stride-multiple
+size. A fixed-shape export takes exactly ``meta.batch`` x 3 x ``meta.imgsz`` x ``meta.imgsz``:
+callers must letterbox to that square size (no rect batches; ``input_rule`` says so), and the
+backend runs a smaller or larger batch as padded chunks of ``meta.batch`` images.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from models.yolo import Model
+from utils.core.errors import UserError
+from utils.core.fileio import ROOT
+from utils.core.logging import LOGGER
+from utils.engine.checkpoint import load_model
+
+META_KEY = "yolotrain"  # ONNX metadata_props key / TorchScript extra file holding ModelMeta as JSON
+META_FILE = "yolotrain.json"
+META_VERSION = 1
+EXPORT_SUFFIXES = {".onnx": "onnx", ".torchscript": "torchscript"}
+EXPORT_PACKAGES = "pip install -r requirements-export.txt"
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """What a detector file says about itself; exported files carry it, detect.py and val.py read it."""
+
+    names: tuple[str, ...]
+    stride: int  # the largest stride: input sides must be multiples of it
+    imgsz: int  # training size (checkpoint) or the exported input side
+    family: str  # "anchor" (YOLOv5 head) or "anchor-free" (DFL head)
+    format: str = "pytorch"  # "pytorch", "onnx" or "torchscript"
+    dynamic: bool = True  # any batch and size; False: exactly batch x 3 x imgsz x imgsz
+    batch: int | None = None  # the fixed batch of a fixed-shape export
+    half: bool = False  # FP16 inputs and weights (CUDA exports)
+    data: str | None = None  # the dataset yaml it was trained on: val.py's default --data
+    single_cls: bool = False
+    epoch: int = -1  # last finished epoch (0-based) of the checkpoint
+    source: str = ""  # the checkpoint an export was made from
+    version: str = ""  # yolotrain's commit that wrote the export
+    meta_version: int = META_VERSION
+
+    @property
+    def nc(self) -> int:
+        return len(self.names)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "names": list(self.names)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> ModelMeta:
+        """Parse and check exported metadata; UserError naming the file when absent or incomplete."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError):
+            d = None
+        if not isinstance(d, dict):
+            raise UserError(f"{where}: its yolotrain metadata is not valid JSON")
+        required = ("names", "stride", "imgsz", "family", "format", "dynamic")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise UserError(f"{where}: its yolotrain metadata lacks {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}  # keys of a newer version are ignored
+        names = d["names"]
+        if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+            raise UserError(f"{where}: its yolotrain metadata has no class names")
+        return cls(**{**d, "names": tuple(names)})
+
+    def input_rule(self) -> str:
+        """How inputs must be shaped, in words, for messages and logs."""
+        if self.dynamic:
+            return f"any batch, sides multiples of {self.stride}"
+        return f"exactly {self.batch} x 3 x {self.imgsz} x {self.imgsz} (fixed-shape export: square letterbox, no rect)"
+
+
+def family_of(model: Model) -> str:
+    return "anchor" if model.detect.has_anchors else "anchor-free"
+
+
+def yolotrain_version() -> str:
+    """The checkout's commit (``git describe --always --dirty``): the project has no release numbers."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def require(package: str, purpose: str) -> ModuleType:
+    """Import an optional package, or a UserError naming it and how to install it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise UserError(f"{purpose} needs the '{package}' package: {EXPORT_PACKAGES} "
+                        f"(or pip install {package})") from None
+
+
+def round_to_stride(imgsz: int, stride: int, what: str = "--imgsz") -> int:
+    """``imgsz`` rounded up to a multiple of the stride (the feature pyramid needs it), with a warning."""
+    size = int(math.ceil(imgsz / stride) * stride)
+    if size != imgsz:
+        LOGGER.warning(f"WARNING: {what} {imgsz} is not a multiple of the model stride {stride}; using {size}")
+    return size
+
+
+class Backend(nn.Module):
+    """A detector called like an eval-mode ``Model``: images -> ``(decoded, raw)``; see the module docstring."""
+
+    def __init__(self, meta: ModelMeta) -> None:
+        super().__init__()
+        self.meta = meta
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """A yolotrain checkpoint's model (EMA weights), BN folded, on its device."""
+
+    def __init__(self, model: Model, meta: ModelMeta) -> None:
+        super().__init__(meta)
+        self.model = model
+
+    @classmethod
+    def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
+        model, ckpt = load_model(weights, device)
+        args = ckpt.get("args", {}) or {}
+        names = list(ckpt.get("names") or [])
+        if len(names) != model.detect.nc:
+            LOGGER.warning(f"WARNING: {weights}: {len(names)} class names for {model.detect.nc} classes; "
+                           "classes are named by their index")
+            names = [str(i) for i in range(model.detect.nc)]
+        meta = ModelMeta(names=tuple(names), stride=int(model.stride.max()), imgsz=int(args.get("imgsz", 640)),
+                         family=family_of(model), data=args.get("data"), single_cls=bool(args.get("single_cls")),
+                         epoch=int(ckpt.get("epoch", -1)), source=str(weights))
+        return cls(model.fuse(), meta)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if images.dtype == torch.uint8:  # to the weights' precision, as evaluate_model and Predictor do
+            images = images.to(next(self.model.parameters()).dtype).div_(255)
+        return self.model(images)
+
+
+class ExportedBackend(Backend):
+    """An exported graph: fixed precision and layout (``.to``/``.half`` leave it as written), fixed or
+    dynamic input shape; outputs come back as float tensors on the images' device."""
+
+    def __init__(self, meta: ModelMeta, path: str | Path) -> None:
+        super().__init__(meta)
+        self.path = str(path)
+
+    def _apply(self, fn, recurse: bool = True) -> ExportedBackend:
+        return self
+
+    def run(self, images: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = images.to(torch.float16 if self.meta.half else torch.float32).contiguous()
+        if images.dtype == torch.uint8:  # a copy was made above: dividing in place is safe
+            x = x.div_(255)
+        m = self.meta
+        if m.dynamic:
+            return self.run(x).float(), []
+        if tuple(x.shape[1:]) != (3, m.imgsz, m.imgsz):
+            raise UserError(f"{self.path} takes {m.input_rule()}; got input {tuple(x.shape)}")
+        outs = []
+        for chunk in x.split(m.batch):  # a fixed batch: run padded chunks, keep the real rows
+            n = chunk.shape[0]
+            if n < m.batch:
+                chunk = torch.cat([chunk, chunk.new_zeros((m.batch - n, *chunk.shape[1:]))])
+            outs.append(self.run(chunk)[:n])
+        return torch.cat(outs).float(), []
+
+
+class OnnxBackend(ExportedBackend):
+    """An ONNX file run by ONNX Runtime (CUDA provider when asked for and installed, else CPU)."""
+
+    def __init__(self, path: str | Path, device: torch.device) -> None:
+        ort = require("onnxruntime", f"running {path}")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()  # the rank's share of the cores (dist.set_cpu_threads)
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        providers = ["CPUExecutionProvider"]
+        if device.type == "cuda":
+            if "CUDAExecutionProvider" in ort.get_available_providers():
+                providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+            else:
+                LOGGER.warning(f"WARNING: {path}: onnxruntime has no CUDA provider here (pip install "
+                               "onnxruntime-gpu); running on CPU")
+        try:
+            session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as e:  # onnxruntime raises its own types for a broken or foreign file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{path}: not a readable ONNX model ({first})") from None
+        text = session.get_modelmeta().custom_metadata_map.get(META_KEY)
+        if text is None:
+            raise UserError(f"{path}: no yolotrain metadata (class names, stride, image size); export it "
+                            "with: python export.py --weights best.pt --include onnx")
+        super().__init__(ModelMeta.from_json(text, str(path)), path)
+        self.session, self.input_name = session, session.get_inputs()[0].name
+
+    def run(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.session.run(None, {self.input_name: images.detach().cpu().numpy()})[0]
+        return torch.from_numpy(out).to(images.device)
+
+
+class TorchScriptBackend(ExportedBackend):
+    """A traced TorchScript file run by torch.jit on the requested device."""
+
+    def __init__(self, path: str | Path, device: torch.device) -> None:
+        extra = {META_FILE: ""}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
+                module = torch.jit.load(str(path), map_location=device, _extra_files=extra)
+        except Exception as e:  # RuntimeError for a file that is not a TorchScript archive
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{path}: not a readable TorchScript model ({first})") from None
+        text = extra[META_FILE]
+        if not text:
+            raise UserError(f"{path}: no yolotrain metadata (class names, stride, image size); export it "
+                            "with: python export.py --weights best.pt --include torchscript")
+        super().__init__(ModelMeta.from_json(text.decode() if isinstance(text, bytes) else text, str(path)), path)
+        self.module = module.eval()
+
+    def run(self, images: torch.Tensor) -> torch.Tensor:
+        return self.module(images)
+
+
+def load_backend(weights: str | Path, device: torch.device) -> Backend:
+    """The backend for a file: ``.onnx``, ``.torchscript``, else a yolotrain checkpoint. In eval mode.
+
+    UserError (one line) for a missing file, a file that is not a yolotrain checkpoint, and an
+    exported file without its metadata.
+    """
+    path = Path(weights)
+    if not path.is_file():
+        raise UserError(f"{path}: weights file not found")
+    kind = EXPORT_SUFFIXES.get(path.suffix.lower())
+    if kind == "onnx":
+        backend: Backend = OnnxBackend(path, device)
+    elif kind == "torchscript":
+        backend = TorchScriptBackend(path, device)
+    else:
+        backend = TorchBackend.from_checkpoint(path, device)
+    return backend.eval()
