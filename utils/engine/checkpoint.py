@@ -3,6 +3,10 @@
 A checkpoint holds only tensors, numbers, strings, lists and dicts, so
 ``torch.load(path, weights_only=True)`` reads it and loading never runs pickled code. The model
 is rebuilt from the yaml dict stored beside its state_dict.
+
+``load_checkpoint`` is the one place every entry point reads weights, so it also takes YOLOv5 and
+Ultralytics ``.pt`` files: those are read by the allow-listed reader of utils/engine/convert (their
+pickles never run) and converted in memory to the same dict.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import torchvision
 from models.yolo import Model
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
+from utils.core.logging import LOGGER
+from utils.engine.convert.foreign import convert, sniff
 
 FORMAT_VERSION = 1
 
@@ -89,18 +95,36 @@ def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load with weights_only=True; UserError naming the file when missing, truncated or foreign."""
+    """Load with weights_only=True, or convert a YOLOv5 / Ultralytics file in memory (``load_foreign``);
+    UserError naming the file when missing, truncated, refused or of another kind."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: checkpoint not found")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, pickled classes, not a torch file at all
+        kind = sniff(path)
+        if kind.package is not None:
+            return load_foreign(path, map_location)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: not a readable yolotrain checkpoint ({first})") from None
+        raise UserError(f"{path}: not a readable yolotrain checkpoint ({kind.problem or first})") from None
     if not isinstance(ckpt, dict) or "model_yaml" not in ckpt or "model" not in ckpt:
-        raise UserError(f"{path}: not a yolotrain checkpoint (no model_yaml/model entries; "
-                        "YOLOv5 .pt files pickle whole models and are not loaded, for safety)")
+        raise UserError(f"{path}: not a yolotrain checkpoint (no model_yaml/model entries), nor a YOLOv5 or "
+                        "Ultralytics one")
+    return ckpt
+
+
+def load_foreign(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A YOLOv5 / Ultralytics checkpoint as a yolotrain checkpoint dict, converted in memory by the
+    allow-listed reader (utils/engine/convert: nothing in the file runs, every tensor is accounted for)."""
+    ckpt, fm = convert(path)
+    if torch.device(map_location).type != "cpu":
+        ckpt["model"] = {k: v.to(map_location) for k, v in ckpt["model"].items()}
+        ckpt["ema"] = ckpt["model"]
+    ckpt.update(versions=versions(), date=now_iso())
+    LOGGER.info(f"{path}: {fm.title} checkpoint ({'EMA' if fm.weights == 'ema' else 'model'} weights, "
+                f"{len(fm.names)} classes, {len(ckpt['model'])} tensors) converted to a yolotrain checkpoint in "
+                f"memory; python -m utils.engine.convert {path} OUT.pt saves it")
     return ckpt
 
 
