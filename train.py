@@ -137,6 +137,9 @@ def resolve_resume(opt: argparse.Namespace) -> dict | None:
     if path is None:
         raise UserError(f"--resume: no last.pt found under {opt.project}")
     ckpt = load_checkpoint(path)
+    if "converted_from" in ckpt:
+        raise UserError(f"{path}: a converted YOLOv5/Ultralytics checkpoint has no training state to resume; "
+                        f"fine-tune from it with --weights {path}")
     if "optimizer" not in ckpt:
         raise UserError(f"{path}: this run finished (its optimizer state was stripped); nothing to resume")
     saved, defaults = ckpt["args"], vars(build_parser().parse_args([]))

@@ -79,3 +79,14 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
     choice = choose_optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10, anchored=False)
     assert resume_choice({"optimizer_choice": asdict(choice)}) == choice
     assert resume_choice({"epoch": 3}) is None and resume_choice(None) is None
+
+
+def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
+    import train
+    from utils.core.errors import UserError
+
+    path = tmp_path / "yolov5s.pt"
+    torch.save({"model_yaml": {}, "model": {}, "converted_from": {"package": "yolov5"}}, path)
+    opt = train.parse_opt(["--resume", str(path)])
+    with pytest.raises(UserError, match="no training state to resume; fine-tune from it with --weights"):
+        train.resolve_resume(opt)
