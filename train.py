@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
     p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov5n.yaml)")
+    p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov8n.yaml)")
     p.add_argument("--weights", default=None, help="yolotrain checkpoint to fine-tune from (matching tensors are transferred)")
     p.add_argument("--freeze", nargs="+", type=Range(int, min=0), default=[0],
                    help="freeze the first N layers, or the listed layer indices")

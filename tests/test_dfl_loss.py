@@ -362,3 +362,11 @@ def test_loss_reads_nothing_back_from_the_device():
     loss, items = DFLLoss(head, GAINS)._loss(preds, targets)  # _loss: autocast has no meta device
     loss.backward()
     assert loss.device.type == items.device.type == preds[0].grad.device.type == "meta"
+
+
+def test_diverged_targets_give_a_nan_loss_not_an_index_error():
+    """NaN distances (predictions that blew up) must surface as a NaN loss, which train.py reports
+    and stops on together on every rank, not as an out-of-range gather."""
+    logits = torch.zeros(3, REG_MAX)
+    out = distribution_focal_loss(logits, torch.tensor([float("nan"), 2.5, float("inf")]))
+    assert out[0].isnan() and out[1].isfinite() and not out[2].isfinite()

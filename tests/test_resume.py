@@ -197,7 +197,7 @@ def test_non_finite_loss_stops_every_rank_with_the_reason(tiny_data, tmp_path, l
     hyp = tmp_path / "explode.yaml"
     text = (R / "hyps" / "hyp.scratch-low.yaml").read_text().splitlines()
     hyp.write_text("\n".join(l for l in text if not l.startswith("warmup_bias_lr")) + "\nwarmup_bias_lr: 3.0e+38\n")
-    p = _train(launcher, tiny_data, tmp_path, "nan", ["--hyp", str(hyp)])
+    p = _train(launcher, tiny_data, tmp_path, "nan", ["--hyp", str(hyp), "--optimizer", "SGD"])  # SGD: the hyp's bias warmup
     out = p.stdout + p.stderr
     assert p.returncode != 0
     assert "the loss became NaN/inf on rank(s)" in out and "Lower lr0" in out

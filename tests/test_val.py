@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'
 
 
 NAMES = ["circle", "square", "triangle", "star", "cross", "ring"]  # conftest's tiny_data
-TRAIN = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
+TRAIN = ["--cfg", "models/yolov5n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
 # 8 val images in batches of 5: with 3 ranks, rank 0 gets no batch, rank 1 five images, rank 2 three
 VAL = ["--batch-size", "5", "--workers", "0"]
 

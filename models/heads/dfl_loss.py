@@ -61,7 +61,10 @@ def distribution_focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch
     The target t is split between its two neighbouring bins, weight (floor(t) + 1 - t) on floor(t)
     and (t - floor(t)) on floor(t) + 1, whose mean is t exactly (Li et al., Generalized Focal Loss).
     """
-    left = target.long()  # target >= 0: truncation is floor
+    # target >= 0: truncation is floor. The clamp changes no valid target; a NaN one (diverged
+    # predictions) would otherwise become a wild index, an IndexError instead of a NaN loss that
+    # the training loop reports and stops on.
+    left = target.long().clamp(0, logits.shape[-1] - 2)
     w_left = left + 1 - target
     logp = logits.log_softmax(-1)
     lp_left = logp.gather(-1, left[..., None]).squeeze(-1)
