@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
+                        "and for CPUs with native bf16, AMX or AVX512-BF16, where it measured faster; --no-amp for fp32)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
     p.add_argument("--name", default="exp", help="save to project/name")
@@ -110,6 +113,7 @@ def main(opt: argparse.Namespace) -> None:
     ckpt = resolve_resume(opt) if opt.resume else None
     device = dist.select_device(opt.device, opt.batch_size, info)
     opt.channels_last = dist.channels_last_default(opt.channels_last, device)  # resolved: saved with the run
+    opt.amp = dist.amp_default(opt.amp, device, legacy=ckpt is not None and "amp" not in ckpt["args"])
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)
@@ -207,7 +211,8 @@ def validate(t: Training, epoch: int) -> EvalResult | None:
     final = epoch + 1 == t.opt.epochs
     if t.opt.noval and not final:
         return None
-    options = EvalOptions(channels_last=t.opt.channels_last, keep_batches=3 if final and not t.opt.noplots else 0)
+    options = EvalOptions(channels_last=t.opt.channels_last, half=t.val_half,
+                          keep_batches=3 if final and not t.opt.noplots else 0)
     return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
 
 

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--half", action="store_true", help="FP16 inference (CUDA only)")
+    p.add_argument("--half", action="store_true", help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,

@@ -9,7 +9,7 @@
 
 Each configuration is set up by train.py's own builder: ``utils.engine.setup.build_training`` on
 arguments parsed by ``train.build_parser()`` (--cfg models/<model>.yaml, this script's --data,
---hyp (default: train.py's for the family), --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last; --epochs 1,
+--hyp (default: train.py's for the family), --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last, --amp; --epochs 1,
 --noautoanchor, --noplots, the run folder in a temporary directory that is removed afterwards).
 So the loader (mosaic etc. from the hyp file), model, optimizer, EMA, loss, AMP +
 GradScaler on CUDA and DDP under torchrun are exactly train.py's. Each step is train_one_epoch's,
@@ -25,8 +25,8 @@ on CUDA, so CUDA figures here are a bound train.py does not quite reach).
 
 Flags that measure proposals rather than train.py as it is: --ddp-no-sync (no gradient
 all-reduce on accumulation steps) and --accumulate (the optimizer-step interval only; the weight
-decay stays train.py's for the batch, which costs the same). --threads and --channels-last
-measure train.py's flags of those names. The val loader is built, as train.py builds it, but
+decay stays train.py's for the batch, which costs the same). --threads, --channels-last and
+--amp measure train.py's flags of those names. The val loader is built, as train.py builds it, but
 never read.
 
 Figures:
@@ -98,6 +98,7 @@ class Result:
     mfu_conv: float = 0.0
     device: str = "cpu"
     layout: str = "NCHW"  # memory format of activations (NHWC: channels-last)
+    precision: str = "fp32"  # forward precision: fp32, or the autocast dtype of --amp (bf16 on CPU, fp16 on CUDA)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory format, as train.py's flag (default: train.py's for the device)")
     p.add_argument("--both-layouts", action="store_true",
                    help="time every configuration in NCHW and then NHWC, back to back, and print NHWC's speed-up")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="mixed precision, as train.py's flag (default: train.py's for the device)")
+    p.add_argument("--both-precisions", action="store_true",
+                   help="time every configuration in fp32 and then with --amp, back to back, and print the speed-up")
     p.add_argument("--ddp-no-sync", action="store_true",
                    help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
                         "train.py does today; same math, different float summation order)")
@@ -223,6 +228,7 @@ def train_opt(size: str, imgsz: int, opt: argparse.Namespace, project: str) -> a
             "--noautoanchor", "--noplots", "--project", project, "--name", f"{model_name(size)}-{imgsz}", "--exist-ok"]
     argv += ["--hyp", opt.hyp] if opt.hyp else []
     argv += [] if opt.channels_last is None else ["--channels-last" if opt.channels_last else "--no-channels-last"]
+    argv += [] if opt.amp is None else ["--amp" if opt.amp else "--no-amp"]
     return train.build_parser().parse_args(argv)
 
 
@@ -238,7 +244,8 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
 
     with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
         targs = train_opt(size, imgsz, opt, project)
-        targs.channels_last = dist.channels_last_default(targs.channels_last, device)  # as train.py resolves it
+        targs.channels_last = dist.channels_last_default(targs.channels_last, device)  # as train.py resolves them
+        targs.amp = dist.amp_default(targs.amp, device)
         t = build_training(targs, info, device, ckpt=None)
         # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
         t.train_loader.dataset.mosaic_off_from_epoch = None
@@ -283,7 +290,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
         # the accumulation steps that do not end in an optimizer step; no_sync covers forward+backward.
         skip_sync = opt.ddp_no_sync and world > 1 and not step_now
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with torch.autocast(device.type, enabled=t.amp):
+            with t.autocast():
                 pred = model(imgs)
                 sync()
                 t3 = time.perf_counter()
@@ -319,7 +326,8 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                   threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
                   steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type,
-                  layout="NHWC" if t.opt.channels_last else "NCHW")
+                  layout="NHWC" if t.opt.channels_last else "NCHW",
+                  precision=str(dist.amp_dtype(device)).removeprefix("torch.") if t.amp else "fp32")
 
 
 def _sync_all(device: torch.device) -> None:
@@ -368,29 +376,32 @@ def finish_result(r: Result, mm: float, cv: float) -> Result:
     return r
 
 
-def layout_ratios(results: list[Result]) -> str:
-    """NHWC img/s over NCHW img/s for each configuration timed in both (same run, back to back)."""
-    by_key = {(r.model, r.imgsz, r.world_size, r.layout): r.img_s for r in results}
-    lines = ["NHWC (channels-last) speed-up over NCHW, same run:"]
-    for (model, imgsz, world, layout), img_s in by_key.items():
-        if layout == "NHWC" and (model, imgsz, world, "NCHW") in by_key:
-            lines.append(f"  {model} {imgsz}px x{world}: {img_s / by_key[model, imgsz, world, 'NCHW']:.2f}x")
+def speedups(results: list[Result], field: str, base: str, title: str) -> str:
+    """img/s of each configuration over the same one with ``field`` == ``base`` (same run, back to back)."""
+    key = lambda r, value: (r.model, r.imgsz, r.world_size, *(value if f == field else getattr(r, f)
+                                                              for f in ("layout", "precision")))
+    by_key = {key(r, getattr(r, field)): r.img_s for r in results}
+    lines = [title]
+    for r in results:
+        if getattr(r, field) != base and key(r, base) in by_key:
+            lines.append(f"  {r.model} {r.imgsz}px x{r.world_size} {r.layout} {r.precision}: "
+                         f"{r.img_s / by_key[key(r, base)]:.2f}x")
     return "\n".join(lines)
 
 
 def format_results(results: list[Result]) -> str:
     """A table: throughput, the per-step breakdown in ms (and its shares), FLOPs and MFU."""
-    head = (f"{'model':<9}{'layout':>7}{'px':>5}{'ranks':>6}{'thr':>4}{'wrk':>4}{'img/s':>8} |"
+    head = (f"{'model':<9}{'layout':>7}{'prec':>6}{'px':>5}{'ranks':>6}{'thr':>4}{'wrk':>4}{'img/s':>8} |"
             + "".join(f"{n:>10}" for n in PHASES) + f"{'step':>9} |{'GFLOP/img':>10}{'GFLOP/s':>9}"
             f"{'MFU mm':>8}{'MFU cv':>8}{'ref mm':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         step = sum(r.ms.values())
-        lines.append(f"{r.model:<9}{r.layout:>7}{r.imgsz:>5}{r.world_size:>6}{r.threads:>4}{r.workers:>4}{r.img_s:>8.1f} |"
+        lines.append(f"{r.model:<9}{r.layout:>7}{r.precision:>6}{r.imgsz:>5}{r.world_size:>6}{r.threads:>4}{r.workers:>4}{r.img_s:>8.1f} |"
                      + "".join(f"{r.ms[n]:>8.0f}ms" for n in PHASES) + f"{step:>7.0f}ms |"
                      f"{r.train_gflops_per_img:>10.2f}{r.train_gflops_per_img * r.img_s:>9.1f}"
                      f"{100 * r.mfu_matmul:>7.1f}%{100 * r.mfu_conv:>7.1f}%{r.ref_matmul_gflops:>8.0f}")
-        lines.append(f"{'':<8}{'':>5}{'':>6}{'':>4}{'':>4}{'share':>8} |"
+        lines.append(f"{'':<9}{'':>7}{'':>6}{'':>5}{'':>6}{'':>4}{'':>4}{'share':>8} |"
                      + "".join(f"{100 * r.ms[n] / step:>9.1f}%" for n in PHASES))
     return "\n".join(lines)
 
@@ -491,14 +502,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         results = []
         layouts = (False, True) if opt.both_layouts else (opt.channels_last,)
-        for size, imgsz, layout in itertools.product(opt.models, opt.imgsz, layouts):
+        precisions = (False, True) if opt.both_precisions else (opt.amp,)
+        for size, imgsz, layout, amp in itertools.product(opt.models, opt.imgsz, layouts, precisions):
             # the machine's limit just before each configuration: on a shared machine it drifts
             mm, cv = reference_flops(device, opt.ref_seconds)
             mm_all, cv_all = (sum(v) for v in zip(*dist.all_gather_object((mm, cv))))
-            r = run_config(size, imgsz, argparse.Namespace(**{**vars(opt), "channels_last": layout}), device, info)
+            r = run_config(size, imgsz, argparse.Namespace(**{**vars(opt), "channels_last": layout, "amp": amp}),
+                           device, info)
             if r is not None:
                 results.append(finish_result(r, mm_all, cv_all))
-                print(f"{model_name(size)} {imgsz}px {r.layout}: {r.img_s:.1f} img/s; reference ({torch.get_num_threads()} "
+                print(f"{model_name(size)} {imgsz}px {r.layout} {r.precision}: {r.img_s:.1f} img/s; reference ({torch.get_num_threads()} "
                       f"threads x {info.world_size} rank(s), {'fp16' if device.type == 'cuda' else 'fp32'}): "
                       f"matmul {mm_all / 1e9:.1f} GFLOP/s, 3x3 conv {cv_all / 1e9:.1f} GFLOP/s", flush=True)
         if info.is_main:
@@ -507,7 +520,9 @@ def main(argv: list[str] | None = None) -> None:
                   + (", DDP no_sync on accumulation steps" if opt.ddp_no_sync and info.distributed else ""))
             print(format_results(results))
             if opt.both_layouts:
-                print(layout_ratios(results))
+                print(speedups(results, "layout", "NCHW", "NHWC (channels-last) speed-up over NCHW, same run:"))
+            if opt.both_precisions:
+                print(speedups(results, "precision", "fp32", "--amp speed-up over fp32, same run:"))
             if opt.json:
                 Path(opt.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     finally:

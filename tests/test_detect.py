@@ -281,3 +281,25 @@ def test_cli_numbers_are_range_checked():
 
     parser = detect.build_parser()
     assert check_numeric_flags(parser) == [] and check_defaults(parser) == []
+
+
+def test_half_on_cpu_runs_a_checkpoint_in_bf16_near_fp32(tiny_v8n, val_images, one_thread):
+    """detect.py --half on CPU: bf16 autocast for a checkpoint (an export keeps its own precision);
+    boxes, decoded in fp32, stay within a pixel of fp32 inference's and scores within 0.02. (The
+    comparison is before NMS: this barely trained model has many near-tied boxes NMS may order
+    either way.)"""
+    from utils.infer.backends import load_backend
+    from utils.infer.predict import PredictOptions, Predictor
+
+    cpu = torch.device("cpu")
+    boxed = [letterbox_image(cv2.imread(str(f)), 64) for f in sorted(val_images.glob("*.jpg"))]
+    images, placements = torch.stack([b for b, _ in boxed]), [p for _, p in boxed]
+    decoded = []
+    for half in (False, True):
+        predictor = Predictor(load_backend(tiny_v8n, cpu), cpu, PredictOptions(half=half))
+        forward = predictor.backend.forward
+        predictor.backend.forward = lambda x, forward=forward: (out := forward(x), decoded.append(out[0]))[0]
+        assert predictor.bf16 is half and len(predictor(images, placements)) == len(images)
+    fp32, bf16 = decoded
+    assert fp32.dtype == bf16.dtype == torch.float32 and not torch.equal(fp32, bf16)
+    assert (fp32[..., :4] - bf16[..., :4]).abs().max() < 1 and (fp32[..., 4:] - bf16[..., 4:]).abs().max() < 0.02

@@ -362,3 +362,26 @@ def test_v5u_has_the_v5_backbone() -> None:
     sd = m.state_dict()
     assert all(k in sd and sd[k].shape == v5.state_dict()[k].shape for k in trunk)
     assert copy.deepcopy(m).fuse() is not None
+
+
+@pytest.mark.parametrize("cfg", ["yolov8n.yaml", "yolov5n.yaml"])
+def test_boxes_are_decoded_in_fp32_under_bf16_autocast(cfg: str) -> None:
+    """--amp on CPU runs the network in bf16, whose 8-bit mantissa would put box coordinates near
+    300 px on 2 px steps; the heads decode from fp32 copies of the raw outputs instead, so under
+    autocast the boxes are the fp32 decoding of the very same raw outputs."""
+    torch.manual_seed(0)
+    model = Model(ROOT / "models" / cfg, nc=3).eval()
+    if not model.detect.has_anchors:  # a fresh head predicts whole-bin distances: make them fractional
+        for branch in model.detect.cv2:
+            branch[-1].bias.data.normal_(0, 2)
+    x = torch.rand(1, 3, 320, 320)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        decoded, raw = model(x)
+    assert raw[0].dtype == torch.bfloat16 and decoded.dtype == torch.float32
+    with torch.no_grad():
+        head = model.detect
+        expected = (head._decode([r.float() for r in raw]) if not head.has_anchors
+                    else torch.cat([head._decode(i, r.float()) for i, r in enumerate(raw)], 1))
+    assert torch.equal(decoded, expected)
+    bf16_boxes = expected[..., :4].bfloat16().float()  # what decoding in bf16 would at best give
+    assert (bf16_boxes - expected[..., :4]).abs().max() >= 0.5

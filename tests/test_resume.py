@@ -121,13 +121,16 @@ def test_mid_epoch_checkpoint_resumes_exactly(tiny_data, tmp_path, reference):
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
 
 
-def test_nchw_layout_resumes_exactly_and_keeps_its_layout(tiny_data, tmp_path):
-    """CPU trains NHWC by default; --no-channels-last (NCHW) is the other layout, exact on its own,
-    and a resume given no layout flag keeps the one the run started with."""
-    nchw = ("--no-channels-last",)
+def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_data, tmp_path):
+    """CPU trains NHWC by default, and in bf16 autocast where bf16 is native; NCHW and the other
+    precision (fp32 on such a CPU, bf16 on any other) are exact on their own, and a resume given
+    no flags keeps the layout and precision the run started with."""
+    from utils.core.dist import cpu_has_native_bf16
+    amp = not cpu_has_native_bf16()
+    nchw = ("--no-channels-last", "--amp" if amp else "--no-amp")
     p = _train([sys.executable], tiny_data, tmp_path, "straight", extra=nchw)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "NCHW" in p.stdout
+    assert ("NCHW, bfloat16 autocast (--amp)" if amp else "NCHW, fp32") in p.stdout
     die = (str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:2")
     p = _train([sys.executable], tiny_data, tmp_path, "cut", extra=(*nchw, "--save-interval", "1e-9"), script=die)
     assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
@@ -136,7 +139,7 @@ def test_nchw_layout_resumes_exactly_and_keeps_its_layout(tiny_data, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     resumed = torch.load(last, weights_only=True)
-    assert resumed["args"]["channels_last"] is False
+    assert resumed["args"]["channels_last"] is False and resumed["args"]["amp"] is amp
     _assert_same_run(torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True), resumed)
 
 
@@ -174,6 +177,18 @@ def test_resume_allows_harmless_changes_and_says_so(interrupted, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"epochs: {EPOCHS} -> {EPOCHS + 1}" in p.stdout and "workers: 1 -> 0" in p.stdout
     assert torch.load(last, weights_only=True)["epoch"] == EPOCHS
+
+
+def test_resume_of_a_run_from_before_amp_keeps_fp32_on_cpu(interrupted, tmp_path):
+    """Checkpoints written before --amp existed trained CPU runs in fp32; resuming one must not
+    switch it to bf16 even where bf16 is native."""
+    last = _copy_run(interrupted, tmp_path / "r")
+    ckpt = torch.load(last, weights_only=True)
+    del ckpt["args"]["amp"]
+    torch.save(ckpt, last)
+    p = _resume(last)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert ", fp32" in p.stdout and torch.load(last, weights_only=True)["args"]["amp"] is False
 
 
 def test_resume_auto_starts_then_continues(tiny_data, tmp_path):

@@ -67,7 +67,7 @@ def test_val_reproduces_best_epoch_metrics(ddp_run, tiny_data):
     run_dir, _ = ddp_run
     ckpt = torch.load(run_dir / "weights" / "best.pt", weights_only=True)
     p = _run([sys.executable, "val.py", "--noplots", "--weights", str(run_dir / "weights" / "best.pt"), "--data", str(tiny_data),
-              "--batch-size", "4", "--workers", "0"])
+              "--batch-size", "4", "--workers", "0", *(["--half"] if ckpt["args"]["amp"] else [])])  # as the run validated
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("Results:")][-1]
     map50, map5095 = float(line.split()[2]), float(line.split()[4])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models.heads.anchor_loss import AnchorLoss, AnchorLossGains
-from models.heads.base import Head
+from models.heads.base import Head, decode_outside_autocast
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
@@ -49,7 +49,7 @@ class Detect(Head):
             raw.append(x.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous())
         if self.training:
             return raw
-        return torch.cat([self._decode(i, p) for i, p in enumerate(raw)], 1), raw
+        return decode_outside_autocast(lambda r: torch.cat([self._decode(i, p) for i, p in enumerate(r)], 1), raw), raw
 
     def _decode(self, i: int, p: torch.Tensor) -> torch.Tensor:
         """Raw level-i output -> (bs, na*ny*nx, 4 + nc): xywh in pixels (YOLOv5 v6 formula), obj * cls."""

@@ -11,7 +11,7 @@ A head is the model's last layer. It owns its maths:
 """
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -29,6 +29,18 @@ class Criterion(Protocol):
     loss_names: tuple[str, ...]
 
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def decode_outside_autocast(decode: Callable[[list[torch.Tensor]], torch.Tensor],
+                            raw: list[torch.Tensor]) -> torch.Tensor:
+    """``decode(raw)``, in fp32 when autocast is on: bf16 keeps 8 bits of mantissa, which would round
+    a box coordinate near 300 px to 2 px steps. Without autocast (fp32, or a .half() model) the raw
+    outputs' own precision is kept."""
+    device = raw[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return decode(raw)
+    with torch.autocast(device, enabled=False):
+        return decode([r.float() for r in raw])
 
 
 class Head(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from models.blocks import DFL, Conv, DWConv
-from models.heads.base import Head
+from models.heads.base import Head, decode_outside_autocast
 from models.heads.dfl_loss import DFLLoss, DFLLossGains
 from utils.core.hyp import Hyp
 
@@ -62,7 +62,7 @@ class DFLDetect(Head):
         raw = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]
         if self.training:
             return raw
-        return self._decode(raw), raw
+        return decode_outside_autocast(self._decode, raw), raw
 
     def _decode(self, raw: list[torch.Tensor]) -> torch.Tensor:
         """Raw levels -> (B, N, 4 + nc): box centre x, y, width, height in input pixels, sigmoid scores.

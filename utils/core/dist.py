@@ -110,6 +110,28 @@ def channels_last_default(flag: bool | None, device: torch.device) -> bool:
     return (device.type == "cpu") if flag is None else bool(flag)
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bfloat16 in hardware (AMX tiles or AVX512-BF16): only there does
+    bf16 autocast make CPU training faster; elsewhere oneDNN emulates it and fp32 is quicker."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private torch.cpu probes
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def amp_default(flag: bool | None, device: torch.device, legacy: bool = False) -> bool:
+    """--amp / --no-amp, or when neither is given: on for CUDA (fp16 with a GradScaler) and for a CPU
+    with native bf16 (bf16 autocast). ``legacy``: a resumed run saved before the flag existed, which
+    used autocast on CUDA only."""
+    if flag is not None:
+        return bool(flag)
+    return device.type == "cuda" or (not legacy and device.type == "cpu" and cpu_has_native_bf16())
+
+
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The autocast precision of --amp: fp16 on CUDA (YOLOv5's, with loss scaling), bf16 on CPU
+    (fp32's exponent range, so no scaler is needed)."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
 def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None = None) -> torch.device:
     """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', '0', '0,1', 'cuda:0'.
 

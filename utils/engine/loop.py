@@ -62,7 +62,7 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
         if ni <= t.warmup.iters:
             state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
         plots.train_batch(batch, ni)
-        with torch.autocast(t.device.type, enabled=t.amp):
+        with t.autocast():
             pred = t.model(imgs)
             loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
         clock.pending |= check_step(loss_items, epoch, i, t.info, clock.due(t.info), t.criterion.loss_names)

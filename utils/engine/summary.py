@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.yolo import de_parallel
+from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
 from utils.engine.checkpoint import load_checkpoint
@@ -27,8 +28,9 @@ def log_start_summary(t: Training) -> None:
                      f"{c['corrupt']} corrupt")
     mi = t.model_info
     layout = "NHWC (channels-last)" if opt.channels_last else "NCHW"
+    precision = f"{str(dist.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
     lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
-                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}")
+                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {precision}")
     family = DEFAULT_HYP if de_parallel(t.model).detect.has_anchors else DEFAULT_HYP_ANCHOR_FREE
     changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
@@ -63,4 +65,4 @@ def log_end_summary(t: Training, epochs_done: int, seconds: float) -> None:
                 + (f"\nPlots in {t.save_dir}: {', '.join(pictures)}" if pictures else "")
                 + f"\nReproduce the best epoch's metrics with:\n"
                 f"  python val.py --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
-                f"--batch-size {t.opt.val_batch_size}")
+                f"--batch-size {t.opt.val_batch_size}" + (" --half" if t.val_half else ""))

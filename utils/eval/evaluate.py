@@ -32,7 +32,7 @@ class EvalOptions:
     conf_thres: float = 0.001
     iou_thres: float = 0.6
     max_det: int = 300
-    half: bool = False  # FP16 inference (CUDA only)
+    half: bool = False  # reduced precision: FP16 weights on CUDA, bf16 autocast on CPU (boxes decoded in fp32)
     channels_last: bool = False
     fuse: bool = True  # score a BN-folded copy (False: the model is already fused, or must stay as it is)
     keep_detections: bool = False  # gather every detection to rank 0 (for --save-txt / --save-json)
@@ -121,7 +121,8 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
         imgs = batch.images.to(device, non_blocking=True)
         imgs = (imgs.half() if half else imgs.float()).div_(255).contiguous(memory_format=memory_format)
         t1 = time.perf_counter()
-        preds, train_out = net(imgs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.half and device.type == "cpu"):
+            preds, train_out = net(imgs)
         if criterion is not None:
             loss += criterion([x.float() for x in train_out], batch.targets)[1]  # host targets, as in training
         t2 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 
 from utils.core.boxes import non_max_suppression
 from utils.data.geometry import Placement, unletterbox
-from utils.infer.backends import Backend
+from utils.infer.backends import Backend, TorchBackend
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class PredictOptions:
     classes: tuple[int, ...] | None = None  # keep only these class ids
     agnostic: bool = False  # one NMS over all classes
     multi_label: bool = False  # a box may carry several classes (val.py's mAP setting)
-    half: bool = False  # FP16 forward (CUDA checkpoints only; an export's precision is its own)
+    half: bool = False  # checkpoints: FP16 on CUDA, bf16 autocast on CPU (an export's precision is its own)
     channels_last: bool = False
 
 
@@ -43,6 +43,7 @@ class Predictor:
     def __init__(self, backend: Backend, device: torch.device, opts: PredictOptions = PredictOptions()) -> None:
         self.device, self.opts = device, opts
         self.half = opts.half and device.type == "cuda"
+        self.bf16 = opts.half and device.type == "cpu" and isinstance(backend, TorchBackend)
         self.memory_format = torch.channels_last if opts.channels_last else torch.contiguous_format
         backend.to(memory_format=self.memory_format)
         self.backend = backend.half() if self.half else backend
@@ -56,7 +57,8 @@ class Predictor:
         x = images.to(self.device, non_blocking=True)
         x = (x.half() if self.half else x.float()).div_(255).contiguous(memory_format=self.memory_format)
         t1 = time.perf_counter()
-        decoded = self.backend(x)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):  # boxes still decoded in fp32
+            decoded = self.backend(x)[0]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the inference time is not billed to NMS
         t2 = time.perf_counter()
