@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader
 
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range
-from utils.core.cpu import tune_malloc
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
@@ -79,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--half", action="store_true", help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32)")
+    p.add_argument("--half", action=argparse.BooleanOptionalAction, default=None,
+                   help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32); "
+                        "default: on CPU, bf16 for a checkpoint whose run validated in bf16 (--amp), so its logged "
+                        "metrics are reproduced; else off"),
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
@@ -111,9 +113,7 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     check_opt(opt)
     device = dist.select_device(opt.device, info=info)
     opt.channels_last = dist.channels_last_default(opt.channels_last, device)
-    if device.type == "cpu":
-        tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-    dist.init_distributed(info, device)
+    dist.init_distributed(info, device)  # no tune_malloc: rect batches vary in shape, and the kept heap grew peak RSS
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     try:
         return [validate_checkpoint(opt, w, info, device, loaders) for w in opt.weights]
@@ -139,7 +139,10 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
     LOGGER.info(f"{weights}: epoch {meta.epoch + 1}, {len(names)} classes, imgsz {imgsz}{kind}")
     save_dir = make_save_dir(opt, info, run_dir)
-    options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=opt.half,
+    half = opt.half if opt.half is not None else device.type == "cpu" and meta.val_precision == "bf16"
+    if half and opt.half is None:
+        LOGGER.info(f"{weights}: bf16 inference, as its run validated (--no-half for fp32)")
+    options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=half,
                           channels_last=opt.channels_last, fuse=False, keep_detections=opt.save_txt or opt.save_json,
                           keep_batches=0 if opt.noplots else 3, skip_first_timing=True, verbose=opt.verbose,
                           prefix=f"{task_split(opt)}: ")

@@ -327,7 +327,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                   steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type,
                   layout="NHWC" if t.opt.channels_last else "NCHW",
-                  precision=str(dist.amp_dtype(device)).removeprefix("torch.") if t.amp else "fp32")
+                  precision={torch.bfloat16: "bf16", torch.float16: "fp16"}[dist.amp_dtype(device)] if t.amp else "fp32")
 
 
 def _sync_all(device: torch.device) -> None:

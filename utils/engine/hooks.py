@@ -96,6 +96,7 @@ def make_checkpoint(t, state, epoch: int) -> dict:
         "args": to_plain(vars(t.opt)),
         "names": list(t.names),
         "metrics": state.metrics.as_dict() if state.metrics else {},
+        "val_precision": "bf16" if t.val_half else "fp32",  # how those metrics were computed: val.py's default
         "versions": versions(),
         "date": now_iso(),
     }

@@ -54,6 +54,7 @@ class ModelMeta:
     data: str | None = None  # the dataset yaml it was trained on: val.py's default --data
     single_cls: bool = False
     epoch: int = -1  # last finished epoch (0-based) of the checkpoint
+    val_precision: str = "fp32"  # a checkpoint's validation in training: "bf16" under --amp on CPU
     source: str = ""  # the checkpoint an export was made from
     version: str = ""  # yolotrain's commit that wrote the export
     meta_version: int = META_VERSION
@@ -152,7 +153,8 @@ class TorchBackend(Backend):
             names = [str(i) for i in range(model.detect.nc)]
         meta = ModelMeta(names=tuple(names), stride=int(model.stride.max()), imgsz=int(args.get("imgsz", 640)),
                          family=family_of(model), data=args.get("data"), single_cls=bool(args.get("single_cls")),
-                         epoch=int(ckpt.get("epoch", -1)), source=str(weights))
+                         epoch=int(ckpt.get("epoch", -1)), source=str(weights),
+                         val_precision=str(ckpt.get("val_precision", "fp32")))
         return cls(model.fuse(), meta)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
