@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers for images (per rank)")
     p.add_argument("--threads", type=Range(int, min=0), default=0,
                    help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
-    p.add_argument("--half", action="store_true", help="reduced-precision inference of a checkpoint: FP16 on CUDA, bf16 autocast on CPU")
+    p.add_argument("--half", action="store_true",
+                   help="reduced-precision inference of a checkpoint: FP16 on CUDA, bf16 autocast on CPU")
     p.add_argument("--save-txt", action="store_true", help="save labels/<stem>.txt (YOLO format, normalised)")
     p.add_argument("--save-conf", action="store_true", help="append each box's confidence in --save-txt files")
     p.add_argument("--save-crop", action="store_true", help="save each box's crop to crops/<class>/")
@@ -106,7 +107,8 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
         backend = load_backend(opt.weights, device)
         meta = backend.meta
         imgsz = input_size(opt.imgsz, meta)
-        LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}), {meta.nc} classes, input {imgsz}x{imgsz}; "
+        precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
+        LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
                     f"{len(sources.images)} images, {len(sources.videos)} videos")
         save_dir = pick_save_dir(opt, info)
         predictor = Predictor(backend, device, PredictOptions(

@@ -78,10 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
     p.add_argument("--name", default="exp", help="save results to project/name")
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--half", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--half", action="store_true",
                    help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32); "
-                        "default: on CPU, bf16 for a checkpoint whose run validated in bf16 (--amp), so its logged "
-                        "metrics are reproduced; else off"),
+                        "a run trained with --amp on CPU validated this way"),
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
@@ -139,10 +138,10 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
     LOGGER.info(f"{weights}: epoch {meta.epoch + 1}, {len(names)} classes, imgsz {imgsz}{kind}")
     save_dir = make_save_dir(opt, info, run_dir)
-    half = opt.half if opt.half is not None else device.type == "cpu" and meta.val_precision == "bf16"
-    if half and opt.half is None:
-        LOGGER.info(f"{weights}: bf16 inference, as its run validated (--no-half for fp32)")
-    options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=half,
+    if meta.val_precision == "bf16" and device.type == "cpu" and not opt.half:
+        LOGGER.info(f"{weights}: its run validated in bf16 (--amp); scoring in fp32, add --half to repeat its "
+                    "logged metrics exactly")
+    options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=opt.half,
                           channels_last=opt.channels_last, fuse=False, keep_detections=opt.save_txt or opt.save_json,
                           keep_batches=0 if opt.noplots else 3, skip_first_timing=True, verbose=opt.verbose,
                           prefix=f"{task_split(opt)}: ")

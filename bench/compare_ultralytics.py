@@ -58,8 +58,8 @@ counts come from the first round and peak RSS is the largest seen.
 
 Precision: each tool's default on the device. Ours trains under bf16 autocast where the CPU has
 native bf16 (train.py's --amp default; its validation in training follows), Ultralytics in fp32 (it
-turns AMP off on CPU); our standalone val.py scores in the precision the run validated in (bf16
-there; --no-half for fp32).
+turns AMP off on CPU); our standalone val.py scores in fp32 unless --half (bf16, as the
+validation in training).
 
 Timing runs must be alone on the machine; figures from a busy machine are only indicative.
 """
@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", "--work-dir", dest="workdir", default=None,
                    help="where datasets, runs and logs go (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
-    p.add_argument("--half", action=argparse.BooleanOptionalAction, default=None,
-                   help="our standalone val.py's --half / --no-half (default: val.py's, the precision the run validated in)")
+    p.add_argument("--half", action="store_true",
+                   help="our standalone val.py with --half (bf16 on CPU, as its validation in training under --amp)")
     p.add_argument("--only", choices=("ours", "ultralytics"), default=None, help="run one tool only (debugging)")
     return p
 
@@ -341,7 +341,7 @@ def val_args(tool: str, opt: argparse.Namespace, weights: Path, data_yaml: Path,
     return ["--weights", str(weights), "--data", str(data_yaml), "--imgsz", str(opt.imgsz),
             "--batch-size", str(opt.val_batch_size), "--device", "cpu", "--workers", str(opt.workers),
             "--threads", str(opt.threads), "--save-json", "--noplots", "--project", str(project), "--name", "val",
-            "--exist-ok", *([] if opt.half is None else ["--half" if opt.half else "--no-half"])]
+            "--exist-ok", *(["--half"] if opt.half else [])]
 
 
 def ultralytics_detections(preds: list[dict], gt: dict, nc: int) -> list[dict]:

@@ -65,4 +65,4 @@ def log_end_summary(t: Training, epochs_done: int, seconds: float) -> None:
                 + (f"\nPlots in {t.save_dir}: {', '.join(pictures)}" if pictures else "")
                 + f"\nReproduce the best epoch's metrics with:\n"
                 f"  python val.py --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
-                f"--batch-size {t.opt.val_batch_size}")
+                f"--batch-size {t.opt.val_batch_size}" + (" --half" if t.val_half else ""))
