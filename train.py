@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from utils.core import dist
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range
 from utils.core.cpu import tune_malloc
-from utils.core.errors import UserError, run_entry_point
+from utils.core.errors import EXIT_PREEMPTED, Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import latest_checkpoint
@@ -30,6 +30,7 @@ from utils.data.imgcache import release_ram_caches
 from utils.engine.checkpoint import load_checkpoint, to_plain
 from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock
 from utils.engine.loop import LoopState, train_one_epoch
+from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training, build_training
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(opt: argparse.Namespace) -> None:
     info = dist.dist_info(opt.local_rank)
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
     ckpt = resolve_resume(opt) if opt.resume else None
@@ -118,7 +120,7 @@ def main(opt: argparse.Namespace) -> None:
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     dist.init_distributed(info, device)
     try:
-        train(opt, info, device, ckpt)
+        train(opt, info, device, ckpt, stop)
     finally:
         dist.cleanup_distributed()
 
@@ -174,7 +176,8 @@ def _same_arg(given, saved) -> bool:
     return given == saved
 
 
-def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None) -> None:
+def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None,
+          stop: StopRequest) -> None:
     t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
     plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
     plots.labels(t.train_loader.dataset)
@@ -182,24 +185,32 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     end_epoch, clock = EpochEnd(t, checkpointer), SaveClock(opt.save_interval)
     if info.is_main:
         log_start_summary(t)
-    state = LoopState.start(t)
+    state, early_stop = LoopState.start(t), False
     for epoch in range(t.start.epoch, opt.epochs):
         state.epoch, t_epoch = epoch, time.time()
         t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
         if epoch == t.train_loader.dataset.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
-        mloss = train_one_epoch(t, state, clock, checkpointer, plots)
+        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop)
+        if state.preempted_at is not None:
+            break
         lrs = [g["lr"] for g in t.optimizer.param_groups]
         t.scheduler.step()
         result = validate(t, epoch)
-        stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
+        early_stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
         if result is not None and epoch + 1 == opt.epochs:
             plots.validation(result)
         clock.restart()
         state.epoch_seconds.append(time.time() - t_epoch)
-        if stop:
+        if early_stop or state.stopping:
             break
     release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
+    if state.preempted_at is not None or (state.stopping and not early_stop and state.epoch + 1 < opt.epochs):
+        where = (f"epoch {state.epoch + 1}, batch {state.preempted_at}/{t.batches_per_epoch}"
+                 if state.preempted_at is not None else f"the end of epoch {state.epoch + 1}")
+        raise Preempted(f"{stop.signal or 'a stop signal on another rank'}: saved {checkpointer.last} at {where}; "
+                        f"exiting with code {EXIT_PREEMPTED} (requeue); the same command with --resume auto, or "
+                        f"--resume {checkpointer.last}, continues exactly")
     checkpointer.finish(strip=not opt.keep_optimizer)
     if info.is_main:
         plots.results()

@@ -297,7 +297,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                 loss, loss_items = t.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
-            check_step(loss_items, 0, k, info, False, t.criterion.loss_names)
+            check_step(loss_items, 0, k, info, False, False, t.criterion.loss_names)
             t5 = time.perf_counter()
             backward(t, loss)
             sync()

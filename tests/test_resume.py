@@ -27,8 +27,10 @@ def _train(launcher, data, project, name, extra=(), script=("train.py",)):
                            *ARGS, *extra], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
 
 
-def _train_and_kill(launcher, data, project, name) -> int:
-    """Start a run and SIGKILL it (launcher and workers) right after its first checkpoint."""
+def _train_and_kill(launcher, data, project, name) -> str:
+    """Start a run and stop it right after its first checkpoint: SIGKILL for one process, SIGTERM
+    for torchrun (a polite stop: every rank agrees, rank 0 saves, all exit). Returns the resume
+    log's "from epoch ..." text for the checkpoint left behind."""
     proc = subprocess.Popen([*launcher, "train.py", "--data", str(data), "--project", str(project), "--name", name,
                              *ARGS], cwd=ROOT, env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -41,9 +43,10 @@ def _train_and_kill(launcher, data, project, name) -> int:
     os.killpg(proc.pid, signal.SIGTERM if launcher == TORCHRUN else signal.SIGKILL)
     proc.wait()
     _wait_until_gone(str(project / name))
-    epoch = torch.load(last, weights_only=True)["epoch"]
-    assert epoch < EPOCHS - 1, "the run finished before it could be interrupted"
-    return epoch
+    ckpt = torch.load(last, weights_only=True)
+    epoch, done = ckpt["epoch"], ckpt.get("batches_done", 0)
+    assert epoch < EPOCHS - 1 and "optimizer" in ckpt, "the run finished before it could be interrupted"
+    return f"from epoch {epoch + 2}" + (f", batch {done + 1}" if done else "") + f" of {EPOCHS}"
 
 
 def _wait_until_gone(marker: str, timeout: float = 60) -> None:
@@ -94,11 +97,11 @@ def _assert_same_run(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("kind", LAUNCHERS)
 def test_resume_is_bit_identical(tiny_data, tmp_path, kind, reference):
     launcher = LAUNCHERS[kind]
-    stopped_at = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
+    resumes_from = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
     p = subprocess.run([*launcher, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
                        cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
+    assert resumes_from in p.stdout
     _assert_same_run(reference(kind), torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True))
 
 
@@ -198,11 +201,11 @@ def test_resume_auto_starts_then_continues(tiny_data, tmp_path):
                        text=True, timeout=600)
     assert p.returncode == 0 and "no " in p.stdout and "yet; starting the run" in p.stdout
     assert (tmp_path / "job" / "weights" / "last.pt").is_file() and not (tmp_path / "job2").exists()
-    stopped_at = _train_and_kill([sys.executable], tiny_data, tmp_path, "job2")
+    resumes_from = _train_and_kill([sys.executable], tiny_data, tmp_path, "job2")
     p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
                         "job2", *ARGS, *auto], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"from epoch {stopped_at + 2} of {EPOCHS}" in p.stdout
+    assert resumes_from in p.stdout
 
 
 @pytest.mark.dist
@@ -298,3 +301,57 @@ def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_pa
     _assert_same_run(reference("2-process"), torch.load(last, weights_only=True))
     rows = (tmp_path / "job" / "results.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind, sig, target", [("1-process", signal.SIGTERM, "launcher"),
+                                               ("2-process", signal.SIGUSR1, "one worker")])
+def test_stop_signals_at_random_moments_lose_nothing(tiny_data, tmp_path, kind, sig, target, reference):
+    """A scheduler's polite stop, at random moments until the run ends: each time every rank agrees at a
+    step, rank 0 saves last.pt (mid-epoch, or at an epoch's end), all exit with code 75 (torchrun:
+    its workers do), and the same command with --resume auto continues; the run ends bit-identical
+    to an undisturbed one. With torchrun the signal goes to one worker only: the other rank learns
+    of it through the step's all-reduce."""
+    import random
+    import threading
+
+    rng = random.Random(f"{kind}-{sig}")
+    cmd = [*LAUNCHERS[kind], "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name", "job",
+           *ARGS, "--resume", "auto"]
+    run_dir, saved = tmp_path / "job", []
+    for attempt in range(5):  # up to four stops, then the rest of the run
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        lines, training = [], threading.Event()
+
+        def read(stream=proc.stdout, lines=lines, training=training):
+            for line in stream:
+                lines.append(line)
+                if line.startswith(f"Training {EPOCHS} epochs"):  # the start summary's last line: the loop begins
+                    training.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        if attempt < 4 and training.wait(timeout=120):
+            time.sleep(rng.uniform(0, 0.5))
+            if proc.poll() is None:
+                os.kill(proc.pid if target == "launcher" else rng.choice(_children(proc.pid)), sig)
+        proc.wait(timeout=300)
+        reader.join(timeout=60)
+        out = "".join(lines)
+        _wait_until_gone(str(run_dir))
+        if proc.returncode == 0:  # the rest of the run, or a signal that came after its last step
+            break
+        assert "exiting with code 75" in out, out[-3000:]
+        assert (proc.returncode == 75) if kind == "1-process" else (proc.returncode != 0 and "75" in out), out[-3000:]
+        ckpt = torch.load(run_dir / "weights" / "last.pt", weights_only=True)
+        assert "optimizer" in ckpt  # a checkpoint to continue, not a finished run's
+        saved.append((ckpt["epoch"], ckpt.get("batches_done", 0)))
+    assert proc.returncode == 0, out[-3000:]
+    assert len(saved) >= 2 and any(done for _, done in saved), f"stops (epoch, batches done): {saved}"
+    _assert_same_run(reference(kind), torch.load(run_dir / "weights" / "last.pt", weights_only=True))

@@ -16,6 +16,13 @@ class UserError(Exception):
     """Bad input from the user: the message must name the file or flag and the problem."""
 
 
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "temporary failure, retry" -- requeue and --resume auto
+
+
+class Preempted(Exception):
+    """Training stopped on a scheduler's signal after saving a checkpoint to resume from."""
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """Return " Did you mean 'x'?" for the closest choice, or '' when none is close."""
     close = difflib.get_close_matches(str(word).strip(), list(choices), n=1, cutoff=0.6)
@@ -35,4 +42,7 @@ def run_entry_point(main: Callable[[], object]) -> int:
         else:
             print(f"ERROR: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        LOGGER.warning(str(e))
+        return EXIT_PREEMPTED
     return 0

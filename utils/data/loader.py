@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -111,8 +112,16 @@ def _worker_init(_worker_id: int) -> None:
 
     cv2.setNumThreads is deliberately not called here: in a forked worker, after the parent used
     OpenCV's thread pool, it can deadlock (seen here in test_workers_do_not_change_batches).
+
+    Stop signals are the main process's business (utils/engine/preempt.py), which still needs its
+    loader for the step it finishes: a worker leaves the rank's process group, so the SIGTERM that
+    torchrun (or a shell) sends to the group does not kill it mid-step, and it ignores SIGUSR1
+    (SLURM's warning signal reaches every process of the job). The DataLoader's own shutdown
+    terminates its workers by pid, as usual.
     """
     torch.set_num_threads(1)
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from utils.core import dist
 from utils.core.errors import UserError
 from utils.engine.hooks import Checkpointer, RunPlots, SaveClock
+from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
 
 
@@ -32,6 +33,8 @@ class LoopState:
     best_fitness: float = 0.0
     metrics: object | None = None  # DetectionMetrics of the last validation
     epoch_seconds: list[float] = field(default_factory=list)  # finished epochs' wall times, for the ETA
+    stopping: bool = False  # every rank agreed on a stop signal: leave at the next optimizer step
+    preempted_at: int | None = None  # batches done in state.epoch when the stop saved mid-epoch
     t_start: float = field(default_factory=time.time)  # when this process started training
 
     @classmethod
@@ -44,9 +47,21 @@ class LoopState:
                    best_fitness=s.best_fitness)
 
 
+@dataclass(frozen=True)
+class StepFlags:
+    """What every rank agreed on at a step (loop.check_step)."""
+
+    save_due: bool  # rank 0's --save-interval clock
+    stop: bool  # a stop signal reached some rank
+
+
 def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointer: Checkpointer,
-                    plots: RunPlots) -> torch.Tensor:
-    """One pass over this rank's shard; returns the mean loss items averaged over ranks."""
+                    plots: RunPlots, stop: StopRequest) -> torch.Tensor:
+    """One pass over this rank's shard; returns the mean loss items averaged over ranks.
+
+    A stop signal agreed at a step (``state.stopping``) ends the epoch at the next optimizer step (at
+    most ``accumulate`` batches later) with a mid-epoch last.pt and ``state.preempted_at`` set; when
+    that step is the epoch's last, the epoch ends as usual and train() stops after its checkpoint."""
     t.model.train()
     epoch, first = state.epoch, state.first_batch
     nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
@@ -65,7 +80,9 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
         with t.autocast():
             pred = t.model(imgs)
             loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
-        clock.pending |= check_step(loss_items, epoch, i, t.info, clock.due(t.info), t.criterion.loss_names)
+        flags = check_step(loss_items, epoch, i, t.info, clock.due(t.info), stop.requested, t.criterion.loss_names)
+        clock.pending |= flags.save_due
+        state.stopping |= flags.stop
         mloss = (mloss * i + loss_items) / (i + 1)
         backward(t, loss)
         # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
@@ -73,6 +90,11 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
         if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
             optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
             state.last_opt_step = ni
+            if state.stopping and i < nb - 1:
+                checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
+                state.preempted_at = i + 1
+                bar.close()
+                return dist.reduce_mean(mloss).cpu()
             if clock.pending and i < nb - 1:  # the epoch's end saves anyway
                 clock.restart()
                 checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
@@ -106,17 +128,19 @@ def optimizer_step(model, optimizer, scaler, ema) -> None:
 
 
 def check_step(loss_items: torch.Tensor, epoch: int, i: int, info: dist.DistInfo, save_due: bool,
-               loss_names: tuple[str, ...]) -> bool:
-    """One all-reduce per step carries every rank's NaN/inf flag and rank 0's --save-interval clock.
+               stop_requested: bool, loss_names: tuple[str, ...]) -> StepFlags:
+    """One all-reduce per step carries every rank's NaN/inf flag, rank 0's --save-interval clock and
+    every rank's stop signal.
 
     A non-finite loss on any rank stops every rank at the same step (decided together, so no rank
     waits in a collective for one that has stopped; earlier checkpoints stay intact). Returns
-    whether a mid-epoch save is due, the same answer on every rank.
+    whether a mid-epoch save is due and whether to stop, the same answers on every rank.
     """
     world, rank = info.world_size, info.rank
-    flags = torch.zeros(world + 1, device=loss_items.device)
+    flags = torch.zeros(world + 2, device=loss_items.device)
     flags[rank] = float(not torch.isfinite(loss_items).all())
     flags[world] = float(save_due)
+    flags[world + 1] = float(stop_requested)
     flags = dist.all_reduce_sum(flags)
     bad = flags[:world]
     if bad.any():
@@ -124,7 +148,7 @@ def check_step(loss_items: torch.Tensor, epoch: int, i: int, info: dist.DistInfo
         raise UserError(f"epoch {epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) {ranks} "
                         f"({', '.join(loss_names)} = {[round(v, 4) for v in loss_items.tolist()]}); checkpoints "
                         "of earlier epochs are intact. Lower lr0 in the hyp yaml, or check the labels.")
-    return bool(flags[world])
+    return StepFlags(save_due=bool(flags[world]), stop=bool(flags[world + 1]))
 
 
 def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:
@@ -164,6 +188,11 @@ class ProgressBar:
         self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
                                  f"{len(batch.images) * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
                                  refresh=False)
+
+    def close(self) -> None:
+        """End the bar of an epoch left early (a stop signal)."""
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _hms(seconds: float) -> str:

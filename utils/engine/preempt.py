@@ -1,0 +1,41 @@
+"""A scheduler's polite stop: SIGTERM (torchrun, Kubernetes, most schedulers) or SIGUSR1 (SLURM's
+``--signal=USR1@90``) asks training to save and leave.
+
+The handler only records the request; the training loop reads it on every rank at each step and
+carries it in the step's all-reduce (``loop.check_step``), so every rank stops at the same
+optimizer step, even when only one of them got the signal. There the Checkpointer writes a
+mid-epoch ``last.pt`` and train.py exits with ``EXIT_PREEMPTED``, so ``--resume auto`` on the
+next launch continues exactly.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Records SIGTERM / SIGUSR1 on this rank. ``requested`` stays set once a signal came: a signal
+    that arrives while an epoch ends (validation, checkpoint) is honoured at the next step."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None  # the first signal's name
+        self.count = 0  # signals received; a second one changes nothing (the save is atomic anyway)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> StopRequest:
+        """Handle the stop signals in this process (main thread only, as Python requires; a
+        no-op elsewhere, e.g. when train.main runs inside a test's worker thread)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:  # async: only record (no logging, no I/O)
+        self.count += 1
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
