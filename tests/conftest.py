@@ -91,3 +91,15 @@ def tiny_v5n(tiny_data, tmp_path_factory) -> Path:
 def tiny_v8n(tiny_data, tmp_path_factory) -> Path:
     """An anchor-free (YOLOv8n) tiny_data checkpoint that detects at conf 0.25 (see _train_confident)."""
     return _train_confident(tiny_data, tmp_path_factory.mktemp("v8n"), "models/yolov8n.yaml")
+
+
+@pytest.fixture
+def restore_logger():
+    """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
+    from utils.core.logging import LOGGER
+
+    saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
+    yield
+    LOGGER.handlers[:] = saved[0]
+    LOGGER.setLevel(saved[1])
+    LOGGER.propagate = saved[2]

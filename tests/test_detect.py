@@ -118,18 +118,6 @@ def test_two_ranks_write_the_same_files_once(one_rank, tiny_v5n, source_dir):
     assert b["world_size"] == 2 and sorted(p.name for p in run.parent.iterdir()) == ["one", "two"]
 
 
-@pytest.fixture
-def restore_logger():
-    """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
-    from utils.core.logging import LOGGER
-
-    saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
-    yield
-    LOGGER.handlers[:] = saved[0]
-    LOGGER.setLevel(saved[1])
-    LOGGER.propagate = saved[2]
-
-
 def _detect(argv: list[str]) -> dict:
     import detect
 

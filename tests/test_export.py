@@ -15,18 +15,6 @@ from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.parity import FP32, compare_detections
 
 
-@pytest.fixture
-def restore_logger():
-    """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
-    from utils.core.logging import LOGGER
-
-    saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
-    yield
-    LOGGER.handlers[:] = saved[0]
-    LOGGER.setLevel(saved[1])
-    LOGGER.propagate = saved[2]
-
-
 @pytest.fixture(scope="module")
 def onnx_packages():
     pytest.importorskip("onnx")

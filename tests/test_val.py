@@ -197,18 +197,6 @@ def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
     assert not (tmp_path / "gt.json").exists()
 
 
-@pytest.fixture
-def restore_logger():
-    """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
-    from utils.core.logging import LOGGER
-
-    saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
-    yield
-    LOGGER.handlers[:] = saved[0]
-    LOGGER.setLevel(saved[1])
-    LOGGER.propagate = saved[2]
-
-
 @pytest.mark.parametrize("case", ["missing", "no_split"])
 def test_coco_export_bad_input_names_the_file(case, tiny_data, tmp_path, capsys, restore_logger):
     from utils.eval import coco
