@@ -66,8 +66,6 @@ Timing runs must be alone on the machine; figures from a busy machine are only i
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -364,31 +362,14 @@ def ultralytics_detections(preds: list[dict], gt: dict, nc: int) -> list[dict]:
 
 
 def coco_map(gt_file: Path, dets: list[dict]) -> tuple[float, float]:
-    """(mAP50-95, mAP50) of ``dets`` by pycocotools' COCOeval at maxDets 300; quiet.
+    """(mAP50-95, mAP50) by pycocotools' COCOeval at maxDets MAX_DET (utils/eval/coco.cocoeval_map)."""
+    from utils.core.errors import UserError
+    from utils.eval.coco import cocoeval_map
 
-    Read from COCOeval's precision array (area 'all', the largest maxDets), as summarize() does:
-    summarize's mAP50-95 line is hard-wired to maxDets 100, which would cut both tools' 300.
-    """
     try:
-        import numpy as np
-        from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
-    except ImportError:
-        raise SystemExit("pycocotools is needed to score both tools alike: pip install pycocotools") from None
-    if not dets:  # loadRes refuses an empty list; no detections score 0
-        return 0.0, 0.0
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO(str(gt_file))
-        ev = COCOeval(gt, gt.loadRes(dets), "bbox")
-        ev.params.maxDets = [1, 10, MAX_DET]
-        ev.evaluate()
-        ev.accumulate()
-    prec = ev.eval["precision"][:, :, :, 0, -1]  # (IoU thresholds, recall points, classes)
-
-    def mean(x: np.ndarray) -> float:  # -1 marks classes without ground truth, left out as summarize() does
-        return float(np.mean(x[x > -1])) if (x > -1).any() else 0.0
-
-    return mean(prec), mean(prec[0])  # IoU thresholds 0.50:0.95, then 0.50 alone
+        return cocoeval_map(gt_file, dets, MAX_DET)
+    except UserError as e:  # pycocotools missing: one line, no traceback
+        raise SystemExit(str(e)) from None
 
 
 def run_tool(tool: str, opt: argparse.Namespace, work: Path, source: tuple[dict, list[str]], round_: int) -> dict:

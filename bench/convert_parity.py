@@ -38,8 +38,6 @@ is safe only because these files were just made by them). Each tool gets its own
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -330,25 +328,14 @@ def foreign_detections(preds: list[dict], gt: dict, package: str) -> list[dict]:
 
 
 def coco_map(gt_file: Path, dets: list[dict]) -> tuple[float, float]:
-    """(mAP50-95, mAP50) by pycocotools' COCOeval at maxDets 300, read from its precision array
-    (area 'all', the largest maxDets) as summarize() does for its own maxDets."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
+    """(mAP50-95, mAP50) by pycocotools' COCOeval at maxDets MAX_DET (utils/eval/coco.cocoeval_map)."""
+    from utils.core.errors import UserError
+    from utils.eval.coco import cocoeval_map
 
-    if not dets:  # loadRes refuses an empty list; no detections score 0
-        return 0.0, 0.0
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO(str(gt_file))
-        ev = COCOeval(gt, gt.loadRes(dets), "bbox")
-        ev.params.maxDets = [1, 10, MAX_DET]
-        ev.evaluate()
-        ev.accumulate()
-    prec = ev.eval["precision"][:, :, :, 0, -1]  # (IoU thresholds, recall points, classes); -1: no ground truth
-
-    def mean(x: np.ndarray) -> float:
-        return float(np.mean(x[x > -1])) if (x > -1).any() else 0.0
-
-    return mean(prec), mean(prec[0])
+    try:
+        return cocoeval_map(gt_file, dets, MAX_DET)
+    except UserError as e:  # pycocotools missing: one line, no traceback
+        raise SystemExit(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------- report
