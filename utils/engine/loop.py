@@ -91,10 +91,11 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
             optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
             state.last_opt_step = ni
             if state.stopping and i < nb - 1:
-                checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
+                mean = dist.reduce_mean(mloss)
+                checkpointer.save_mid_epoch(t, state, i + 1, mean)
                 state.preempted_at = i + 1
                 bar.close()
-                return dist.reduce_mean(mloss).cpu()
+                return mean.cpu()
             if clock.pending and i < nb - 1:  # the epoch's end saves anyway
                 clock.restart()
                 checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))

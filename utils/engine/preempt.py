@@ -20,8 +20,7 @@ class StopRequest:
     that arrives while an epoch ends (validation, checkpoint) is honoured at the next step."""
 
     def __init__(self) -> None:
-        self.signal: str | None = None  # the first signal's name
-        self.count = 0  # signals received; a second one changes nothing (the save is atomic anyway)
+        self.signal: str | None = None  # the first signal's name; a second one changes nothing
 
     @property
     def requested(self) -> bool:
@@ -36,6 +35,5 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:  # async: only record (no logging, no I/O)
-        self.count += 1
         if self.signal is None:
             self.signal = signal.Signals(signum).name
