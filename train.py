@@ -28,9 +28,10 @@ from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import latest_checkpoint
 from utils.data.imgcache import release_ram_caches
 from utils.engine.checkpoint import load_checkpoint, to_plain
-from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock
+from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock, TimeBudget
 from utils.engine.loop import LoopState, train_one_epoch
 from utils.engine.preempt import StopRequest
+from utils.engine.recover import NanRecovery
 from utils.engine.setup import Training, build_training
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
@@ -38,7 +39,7 @@ from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
-RESUME_HARMLESS = {"device", "workers", "epochs", "patience", "cache", "cache_dir", "noval", "save_period",
+RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "patience", "cache", "cache_dir", "noval", "save_period",
                    "save_interval", "keep_optimizer", "noplots", "threads"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "anchor-free ones)")
     p.add_argument("--epochs", type=Range(int, min=1), default=15,
                    help="total training epochs (sized for the quick built-in run)")
+    p.add_argument("--time", type=Range(float, min=0), default=0.0,
+                   help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
+                        "close_mosaic fitted to them (0: off)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
@@ -82,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep weights/epochN.pt every N epochs (< 1: off)")
     p.add_argument("--save-interval", type=Range(float, min=0), default=0.0,
                    help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
+    p.add_argument("--nan-recover", type=Range(int, min=0), default=0,
+                   help="on a NaN/inf loss, roll every rank back to the state before the last optimizer step, skip the "
+                        "batch and halve the LR for the rest of the epoch, up to N times (0: stop the run, the default)")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
@@ -178,25 +185,31 @@ def _same_arg(given, saved) -> bool:
 
 def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None,
           stop: StopRequest) -> None:
+    t0 = time.time()
     t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
     plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
     plots.labels(t.train_loader.dataset)
     checkpointer = Checkpointer(t.weights_dir, info, opt.save_period)
-    end_epoch, clock = EpochEnd(t, checkpointer), SaveClock(opt.save_interval)
+    end_epoch, clock, budget = EpochEnd(t, checkpointer), SaveClock(opt.save_interval), TimeBudget(opt.time)
     if info.is_main:
         log_start_summary(t)
-    state, early_stop = LoopState.start(t), False
-    for epoch in range(t.start.epoch, opt.epochs):
+    recovery = NanRecovery(opt.nan_recover, t.model, t.ema, t.optimizer, t.scaler)
+    state, early_stop = LoopState.start(t, t0), False
+    epoch = t.start.epoch
+    while epoch < opt.epochs:  # --time may change opt.epochs after each epoch
         state.epoch, t_epoch = epoch, time.time()
         t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
-        if epoch == t.train_loader.dataset.mosaic_off_from_epoch:
+        if epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
-        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop)
+        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop, recovery)
         if state.preempted_at is not None:
             break
         lrs = [g["lr"] for g in t.optimizer.param_groups]
         t.scheduler.step()
         result = validate(t, epoch)
+        budget.refit(t, state, time.time() - t_epoch)  # --time: the epochs that fit, before the checkpoint
+        if result is None and epoch + 1 == opt.epochs:  # --noval, and --time just made this epoch the last
+            result = validate(t, epoch)
         early_stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
         if result is not None and epoch + 1 == opt.epochs:
             plots.validation(result)
@@ -204,6 +217,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         state.epoch_seconds.append(time.time() - t_epoch)
         if early_stop or state.stopping:
             break
+        epoch += 1
     release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
     if state.preempted_at is not None or (state.stopping and not early_stop and state.epoch + 1 < opt.epochs):
         where = (f"epoch {state.epoch + 1}, batch {state.preempted_at}/{t.batches_per_epoch}"

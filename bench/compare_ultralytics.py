@@ -132,10 +132,9 @@ if mode == "ours-train":
     sys.argv = ["train.py", *argv]
     import train
     def setup(t):
-        ds = t.train_loader.dataset
         facts.update(optimizer=describe_optimizer(t.optimizer), params=n_params(t.model),
                      train_workers=t.train_loader.num_workers, val_workers=t.val_loader.num_workers,
-                     mosaic_off_from_epoch=ds.mosaic_off_from_epoch, mosaic=float(t.hyp.mosaic))
+                     mosaic_off_from_epoch=t.train_loader.sampler.mosaic_off_from_epoch, mosaic=float(t.hyp.mosaic))
     wrap(train, "build_training", "setup", setup)
     wrap(train, "train_one_epoch", "train")
     wrap(train, "evaluate_model", "val")

@@ -248,7 +248,7 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
         targs.amp = dist.amp_default(targs.amp, device)
         t = build_training(targs, info, device, ckpt=None)
         # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
-        t.train_loader.dataset.mosaic_off_from_epoch = None
+        t.train_loader.sampler.mosaic_off_from_epoch = None
         try:
             return time_steps(t, size, opt)
         finally:
@@ -297,7 +297,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                 loss, loss_items = t.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
-            check_step(loss_items, 0, k, info, False, False, t.criterion.loss_names)
+            check_step(loss_items, info, False, False)
             t5 = time.perf_counter()
             backward(t, loss)
             sync()

@@ -166,12 +166,11 @@ def test_close_mosaic(shapes_train):
     data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=4, verbose=False)
     plain = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mosaic=0.0),
                                 nc=6, seed=4, verbose=False)
-    data.mosaic_off_from_epoch = 2
     for i in range(0, len(data), 3):
-        assert data[(1, i)][3] is None  # still mosaic before the switch
-        assert not torch.equal(data[(1, i)][0], plain[(1, i)][0])
+        assert data[(1, i, True)][3] is None  # still mosaic before the switch
+        assert not torch.equal(data[(1, i, True)][0], plain[(1, i)][0])
         for epoch in (2, 5):
-            a, b = data[(epoch, i)], plain[(epoch, i)]
+            a, b = data[(epoch, i, False)], plain[(epoch, i)]
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[3] == b[3] is not None
 
 

@@ -214,8 +214,8 @@ def test_train_sampler():
             s = TrainSampler(n, r, ws, seed, drop_last=drop_last)
             s.set_epoch(epoch)
             items = list(s)
-            assert len(items) == len(s) and all(e == epoch for e, _ in items)
-            out.append([i for _, i in items])
+            assert len(items) == len(s) and all(k.epoch == epoch and k.mosaic for k in items)
+            out.append([k.index for k in items])
         return out
 
     for n, ws in ((10, 3), (7, 1), (2, 4), (12, 4)):
@@ -230,6 +230,18 @@ def test_train_sampler():
     assert [len(p) for p in dropped] == [3, 3, 3] and len(set(sum(dropped, []))) == 9
 
 
+def test_train_sampler_carries_close_mosaic():
+    """close_mosaic is read in the main process at each epoch's iteration, so moving it mid-run
+    (--time) reaches persistent workers with the keys."""
+    s = TrainSampler(8, 0, 1, seed=0)
+    s.mosaic_off_from_epoch = 3
+    for epoch, on in ((0, True), (2, True), (3, False), (7, False)):
+        s.set_epoch(epoch)
+        assert {k.mosaic for k in s} == {on}
+    s.mosaic_off_from_epoch = None
+    assert all(k.mosaic for k in s)
+
+
 def test_train_sampler_skip_resumes_where_global_batches_end():
     """A mid-epoch resume skips k batches per rank: exactly the first k global batches, whatever the world size."""
     n, global_bs, k = 37, 4, 3
@@ -241,7 +253,7 @@ def test_train_sampler_skip_resumes_where_global_batches_end():
         for r in range(ws):
             s = TrainSampler(n, r, ws, seed=3)
             s.set_epoch(2, skip=k * global_bs // ws)
-            items = [i for _, i in s]
+            items = [k.index for k in s]
             assert len(items) == len(s) == s.num_samples - k * global_bs // ws
             rest += items
         assert sorted(rest) == sorted(order[k * global_bs:])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,16 @@ from utils.data.labels import describe_source, format_summary, img2label_paths, 
 from utils.data.problems import check_label_presence, report_messages, write_problem_report
 
 
+class SampleKey(NamedTuple):
+    """What the train sampler hands a worker: the (epoch, index) that seeds the sample's augmentation,
+    and whether mosaic is still on. close_mosaic is decided in the main process (TrainSampler), so
+    persistent workers follow it without being told, even when --time moves it during the run."""
+
+    epoch: int
+    index: int
+    mosaic: bool = True
+
+
 # image (3, H, W) uint8 RGB, labels (n, 6) [0, cls, xc, yc, w, h] normalised, path, placement, index
 Sample = tuple[torch.Tensor, torch.Tensor, str, Placement | None, int]
 
@@ -33,7 +43,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     """Images letterboxed to ``img_size`` (or per-batch rectangles) with normalised labels.
 
     ``image_hw`` (n, 2) int32 holds each image's upright size (h, w). ``__getitem__`` takes an
-    index or ``(epoch, index)`` and returns a ``Sample``, whose Placement (None for a mosaic) maps
+    index or a ``SampleKey`` (epoch, index, mosaic) and returns a ``Sample``, whose Placement (None for a mosaic) maps
     predictions back to the original image. Augmentation draws from
     ``np.random.default_rng([seed, epoch, index])`` only, so a sample is the same whichever
     worker, rank or resumed run produces it.
@@ -72,9 +82,6 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
-        # close_mosaic: from this epoch on, no mosaic (set by train.py from hyp.close_mosaic). The
-        # epoch travels with each (epoch, index), so persistent workers need no notification.
-        self.mosaic_off_from_epoch: int | None = None
         self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
         if rect:
             self._set_rect_shapes(batch_size)
@@ -148,17 +155,16 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         """random_perspective's gains from the hyperparameters."""
         return {k: getattr(self.hyp, k) for k in ("degrees", "translate", "scale", "shear", "perspective")}
 
-    def mosaic_enabled(self, epoch: int) -> bool:
-        """Mosaic is used for augmented square training, until ``mosaic_off_from_epoch`` (close_mosaic).
+    def mosaic_enabled(self, key: SampleKey) -> bool:
+        """Mosaic is used for augmented square training while the key allows it (close_mosaic).
 
         Rectangular training keeps each image's aspect ratio, which a square mosaic would undo.
         """
-        off = self.mosaic_off_from_epoch
-        return self.augment and not self.rect and (off is None or epoch < off)
+        return self.augment and not self.rect and key.mosaic
 
-    def __getitem__(self, item: int | tuple[int, int]) -> Sample:
-        epoch, index = item if isinstance(item, tuple) else (0, item)
-        epoch, index = int(epoch), int(index)
+    def __getitem__(self, item: int | tuple) -> Sample:
+        key = SampleKey(*item) if isinstance(item, tuple) else SampleKey(0, item)
+        epoch, index = int(key.epoch), int(key.index)
         rng = np.random.default_rng([self.seed, epoch, index])
         hyp, placed = self.hyp, None  # a mosaic has no placement to map predictions back through
         if self.augment:
@@ -167,7 +173,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             # the colour or flip draws. Everything still depends only on (seed, epoch, index).
             u = rng.random(2)  # mosaic, mixup
             geo_rng, mix_rng, colour_rng = rng.spawn(3)
-        if self.augment and self.mosaic_enabled(epoch) and u[0] < hyp.mosaic:
+        if self.augment and self.mosaic_enabled(key) and u[0] < hyp.mosaic:
             img, labels = self.load_mosaic(index, geo_rng)
             if u[1] < hyp.mixup:
                 img2, labels2 = self.load_mosaic(int(mix_rng.integers(0, len(self))), mix_rng)

@@ -20,7 +20,7 @@ from utils.core.dist import DistInfo, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
-from utils.data.dataset import LoadImagesAndLabels
+from utils.data.dataset import LoadImagesAndLabels, SampleKey
 from utils.data.geometry import Placement
 from utils.data.imgcache import build_or_open
 
@@ -50,7 +50,8 @@ def collate_fn(batch: list[tuple]) -> Batch:
 class TrainSampler(Sampler):
     """Per-epoch seeded permutation, padded (or cut) to a multiple of world size, rank takes every ws-th.
 
-    Yields ``(epoch, index)`` so the dataset seeds augmentation from the sample, not the worker.
+    Yields ``SampleKey(epoch, index, mosaic)`` so the dataset seeds augmentation from the sample, not
+    the worker, and follows close_mosaic (``mosaic_off_from_epoch``, read here in the main process).
     Call ``set_epoch`` before each epoch, as with DistributedSampler; ``skip`` starts the epoch
     part-way (a resumed mid-epoch checkpoint), at the same samples the uninterrupted run reaches.
     """
@@ -61,6 +62,7 @@ class TrainSampler(Sampler):
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.shuffle, self.drop_last, self.epoch, self.skip = shuffle, drop_last, 0, 0
+        self.mosaic_off_from_epoch: int | None = None  # close_mosaic: no mosaic from this epoch on (setup.py)
         self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
         self.total_size = self.num_samples * world_size
 
@@ -82,9 +84,11 @@ class TrainSampler(Sampler):
             indices += (indices * reps)[: self.total_size - len(indices)]
         return indices[: self.total_size]
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[SampleKey]:
         epoch = self.epoch
-        return iter([(epoch, i) for i in self.global_indices()[self.rank::self.world_size][self.skip:]])
+        off = self.mosaic_off_from_epoch
+        mosaic = off is None or epoch < off
+        return iter([SampleKey(epoch, i, mosaic) for i in self.global_indices()[self.rank::self.world_size][self.skip:]])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip

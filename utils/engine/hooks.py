@@ -2,6 +2,7 @@
 checkpoint write, the pictures, and what happens at the end of an epoch."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,6 +16,7 @@ from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
 from utils.engine.checkpoint import fp32_state_dict, now_iso, rng_states, save_checkpoint, \
     strip_optimizer, to_plain, versions
+from utils.engine.optim import lr_lambda, refit_schedule
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
 from utils.eval.plots import plot_images, plot_labels, plot_results
@@ -38,6 +40,55 @@ class SaveClock:
     def restart(self) -> None:
         self.pending = False
         self.next_at = time.monotonic() + self.seconds
+
+
+class TimeBudget:
+    """--time HOURS: the run trains the epochs that fit in the budget instead of --epochs.
+
+    After each epoch (validation included) rank 0 counts the epochs that still fit whole: the
+    hours left (set-up and any earlier attempts of a resumed run included) over this process's mean
+    epoch time, rounded down. Every rank takes that answer, and the LR schedule and close_mosaic
+    are refitted to the new total, so the last epoch that fits ends the run as a normal last epoch
+    would (final validation, pictures, stripped checkpoints); an epoch that began as the planned
+    last is not extended. The first epoch always runs, with --epochs as its plan and the LR of
+    epoch 0, which every schedule length agrees on.
+    """
+
+    def __init__(self, hours: float) -> None:
+        self.seconds = hours * 3600
+
+    @property
+    def enabled(self) -> bool:
+        return self.seconds > 0
+
+    def refit(self, t, state, epoch_seconds: float) -> None:
+        """After epoch ``state.epoch`` (which took ``epoch_seconds``): set t.opt.epochs to the epochs that fit."""
+        done = state.epoch + 1
+        if not self.enabled or done >= t.opt.epochs:  # the epoch planned last ends the run as planned
+            return
+        total = None
+        if t.info.is_main:
+            times = [*state.epoch_seconds, epoch_seconds]
+            mean, left = sum(times) / len(times), self.seconds - state.train_seconds
+            total = done + max(math.floor(left / mean), 0)
+        total = int(dist.broadcast_object(total))
+        if total == t.opt.epochs and len(state.epoch_seconds):  # said once after the first timed epoch, then on change
+            return
+        t.opt.epochs = total
+        t.lr_lambda = lr_lambda(total, t.hyp.lrf, t.opt.cos_lr)
+        refit_schedule(t.scheduler, t.lr_lambda)
+        sampler, close = t.train_loader.sampler, int(t.hyp.close_mosaic)
+        if close > 0 and (sampler.mosaic_off_from_epoch is None or sampler.mosaic_off_from_epoch > done):
+            sampler.mosaic_off_from_epoch = max(total - close, done)  # once closed, mosaic stays closed
+        if t.info.is_main:
+            LOGGER.info(f"--time {self.seconds / 3600:g} h: {total} epochs fit ({done} done, "
+                        f"{_minutes(mean)} an epoch, {_minutes(max(left, 0))} left); the LR schedule"
+                        + (" and close_mosaic follow" if close > 0 else " follows"))
+
+
+def _minutes(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m {s:02d}s"
 
 
 class Checkpointer:
@@ -90,6 +141,7 @@ def make_checkpoint(t, state, epoch: int) -> dict:
         "scaler": t.scaler.state_dict(),
         "early_stop": t.stopper.state_dict(),
         "rng": rng_states(),
+        "train_seconds": float(state.train_seconds),  # --time: what this run has already spent
         "seed": t.opt.seed,
         "world_size": t.info.world_size,
         "hyp": t.hyp.as_dict(),

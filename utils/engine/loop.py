@@ -16,8 +16,10 @@ from tqdm import tqdm
 
 from utils.core import dist
 from utils.core.errors import UserError
+from utils.core.logging import LOGGER
 from utils.engine.hooks import Checkpointer, RunPlots, SaveClock
 from utils.engine.preempt import StopRequest
+from utils.engine.recover import NanRecovery
 from utils.engine.setup import Training
 
 
@@ -35,16 +37,23 @@ class LoopState:
     epoch_seconds: list[float] = field(default_factory=list)  # finished epochs' wall times, for the ETA
     stopping: bool = False  # every rank agreed on a stop signal: leave at the next optimizer step
     preempted_at: int | None = None  # batches done in state.epoch when the stop saved mid-epoch
-    t_start: float = field(default_factory=time.time)  # when this process started training
+    lr_scale: float = 1.0  # --nan-recover halves the LR for the rest of an epoch
+    t_start: float = field(default_factory=time.time)  # when this process started training (set-up included)
+    seconds_before: float = 0.0  # wall time earlier attempts of a resumed run spent
 
     @classmethod
-    def start(cls, t: Training) -> LoopState:
+    def start(cls, t: Training, t_start: float) -> LoopState:
         """A fresh run's state, or a resumed one's (at the saved epoch and batch)."""
         s = t.start
         nb = t.batches_per_epoch
         return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
                    last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
-                   best_fitness=s.best_fitness)
+                   best_fitness=s.best_fitness, t_start=t_start, seconds_before=s.train_seconds)
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall time of the whole run so far, over all its attempts (--time's budget)."""
+        return self.seconds_before + time.time() - self.t_start
 
 
 @dataclass(frozen=True)
@@ -53,10 +62,11 @@ class StepFlags:
 
     save_due: bool  # rank 0's --save-interval clock
     stop: bool  # a stop signal reached some rank
+    bad_ranks: tuple[int, ...] = ()  # ranks whose loss was NaN/inf at this step
 
 
 def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointer: Checkpointer,
-                    plots: RunPlots, stop: StopRequest) -> torch.Tensor:
+                    plots: RunPlots, stop: StopRequest, recovery: NanRecovery) -> torch.Tensor:
     """One pass over this rank's shard; returns the mean loss items averaged over ranks.
 
     A stop signal agreed at a step (``state.stopping``) ends the epoch at the next optimizer step (at
@@ -66,7 +76,7 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
     epoch, first = state.epoch, state.first_batch
     nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
     mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
-    state.first_batch, state.mloss = 0, None
+    state.first_batch, state.mloss, state.lr_scale = 0, None, 1.0
     bar = ProgressBar(t, state, first, nb)
     for i, batch in bar.enumerate(t.train_loader, first):
         ni = i + nb * epoch  # integrated batch count since the start of training
@@ -76,18 +86,24 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
         t.warmup.apply(t.optimizer, ni, t.lr_lambda, epoch)
         if ni <= t.warmup.iters:
             state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
+            scale_lr(t.optimizer, state.lr_scale)  # warmup set the LR afresh
         plots.train_batch(batch, ni)
         with t.autocast():
             pred = t.model(imgs)
             loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
-        flags = check_step(loss_items, epoch, i, t.info, clock.due(t.info), stop.requested, t.criterion.loss_names)
+        flags = check_step(loss_items, t.info, clock.due(t.info), stop.requested)
         clock.pending |= flags.save_due
         state.stopping |= flags.stop
+        if flags.bad_ranks:  # every rank agreed: stop the run, or (--nan-recover) roll back and skip the batch
+            skip_bad_batch(t, state, recovery, flags.bad_ranks, loss_items, i)
+            state.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
+            continue
         mloss = (mloss * i + loss_items) / (i + 1)
         backward(t, loss)
         # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
         # gradients, so a resumed run continues exactly where the interrupted one would have.
         if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
+            recovery.remember()  # every batch since the last step had a finite loss on this state
             optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
             state.last_opt_step = ni
             if state.stopping and i < nb - 1:
@@ -128,14 +144,11 @@ def optimizer_step(model, optimizer, scaler, ema) -> None:
     ema.update(model)
 
 
-def check_step(loss_items: torch.Tensor, epoch: int, i: int, info: dist.DistInfo, save_due: bool,
-               stop_requested: bool, loss_names: tuple[str, ...]) -> StepFlags:
+def check_step(loss_items: torch.Tensor, info: dist.DistInfo, save_due: bool, stop_requested: bool) -> StepFlags:
     """One all-reduce per step carries every rank's NaN/inf flag, rank 0's --save-interval clock and
-    every rank's stop signal.
-
-    A non-finite loss on any rank stops every rank at the same step (decided together, so no rank
-    waits in a collective for one that has stopped; earlier checkpoints stay intact). Returns
-    whether a mid-epoch save is due and whether to stop, the same answers on every rank.
+    every rank's stop signal, so every rank gets the same answers at the same step: whether a
+    mid-epoch save is due, whether to stop, and which ranks' loss was not finite (decided together,
+    so no rank waits in a collective for one that has stopped or rolled back).
     """
     world, rank = info.world_size, info.rank
     flags = torch.zeros(world + 2, device=loss_items.device)
@@ -143,13 +156,37 @@ def check_step(loss_items: torch.Tensor, epoch: int, i: int, info: dist.DistInfo
     flags[world] = float(save_due)
     flags[world + 1] = float(stop_requested)
     flags = dist.all_reduce_sum(flags)
-    bad = flags[:world]
-    if bad.any():
-        ranks = ", ".join(str(r) for r in bad.nonzero().flatten().tolist())
-        raise UserError(f"epoch {epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) {ranks} "
-                        f"({', '.join(loss_names)} = {[round(v, 4) for v in loss_items.tolist()]}); checkpoints "
-                        "of earlier epochs are intact. Lower lr0 in the hyp yaml, or check the labels.")
-    return StepFlags(save_due=bool(flags[world]), stop=bool(flags[world + 1]))
+    bad = tuple(flags[:world].nonzero().flatten().tolist())
+    return StepFlags(save_due=bool(flags[world]), stop=bool(flags[world + 1]), bad_ranks=bad)
+
+
+def skip_bad_batch(t: Training, state: LoopState, recovery: NanRecovery, bad_ranks: tuple[int, ...],
+                   loss_items: torch.Tensor, i: int) -> None:
+    """A non-finite loss on some rank, agreed by all: a UserError that stops every rank together
+    (the default, and once --nan-recover's recoveries are spent), or a rollback to the state before
+    the last optimizer step with this batch skipped and the LR halved for the rest of the epoch."""
+    names = ", ".join(t.criterion.loss_names)
+    where = (f"epoch {state.epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) "
+             f"{', '.join(map(str, bad_ranks))} ({names} = {[round(v, 4) for v in loss_items.tolist()]})")
+    if recovery.left <= 0:
+        spent = f"; all {recovery.limit} --nan-recover recoveries are used" if recovery.enabled else ""
+        hint = "" if recovery.enabled else ", or let --nan-recover N roll back and skip such batches"
+        raise UserError(f"{where}{spent}; checkpoints of earlier epochs are intact. Lower lr0 in the hyp yaml, "
+                        f"or check the labels{hint}.")
+    rolled = recovery.restore()
+    state.lr_scale *= 0.5
+    scale_lr(t.optimizer, 0.5)
+    if t.info.is_main:
+        LOGGER.warning(f"WARNING: {where}; recovery {recovery.used}/{recovery.limit}: "
+                       + ("rolled back to the state before the last optimizer step" if rolled
+                          else "no optimizer step to undo since this process started")
+                       + f", skipped the batch, LR x{state.lr_scale:g} until the epoch ends")
+
+
+def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    if factor != 1:
+        for g in optimizer.param_groups:
+            g["lr"] *= factor
 
 
 def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:

@@ -187,3 +187,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, lf: Callable[[float], float
         for g, lr in zip(optimizer.param_groups, saved):
             g["lr"] = lr
     return scheduler
+
+
+def refit_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lf: Callable[[float], float]) -> None:
+    """Give the schedule a new epoch -> LR rule (--time changed the epoch count) and set the LR of the
+    epoch it stands at from it, as its own step would have."""
+    scheduler.lr_lambdas = [lf] * len(scheduler.optimizer.param_groups)
+    for g, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+        g["lr"] = base * lf(scheduler.last_epoch)

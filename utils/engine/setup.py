@@ -49,6 +49,7 @@ class Start:
     best_fitness: float = 0.0
     mloss: torch.Tensor | None = None  # that checkpoint's running mean loss
     resumed: bool = False
+    train_seconds: float = 0.0  # wall time the run had spent when it was saved (--time)
 
 
 @dataclass
@@ -224,8 +225,8 @@ def build_loaders(opt: argparse.Namespace, info: DistInfo, data: DataConfig, hyp
                                      shuffle=True, prefix="train: ", **common)
     val_loader = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ",
                                    **common)
-    if hyp.close_mosaic > 0:  # set before the first pass: persistent workers copy the dataset once
-        train_loader.dataset.mosaic_off_from_epoch = max(opt.epochs - int(hyp.close_mosaic), 0)
+    if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
+        train_loader.sampler.mosaic_off_from_epoch = max(opt.epochs - int(hyp.close_mosaic), 0)
     return train_loader, val_loader
 
 
@@ -241,7 +242,8 @@ def restore_state(ckpt: dict, optimizer, ema: ModelEMA, scaler, stopper: EarlySt
     set_rng_states(ckpt["rng"])
     batches = int(ckpt.get("batches_done", 0))
     mloss = torch.tensor(ckpt["mloss"], device=device) if batches else None
-    return Start(ckpt["epoch"] + 1, batches, ckpt["best_fitness"], mloss, resumed=True)
+    return Start(ckpt["epoch"] + 1, batches, ckpt["best_fitness"], mloss, resumed=True,
+                 train_seconds=float(ckpt.get("train_seconds", 0.0)))
 
 
 def wrap_model(model: nn.Module, opt: argparse.Namespace, info: DistInfo, device: torch.device) -> nn.Module:

@@ -41,8 +41,9 @@ def log_start_summary(t: Training) -> None:
                  f"iterations (bias lr from {c.warmup_bias_lr:g}); {c.reason}")
     epoch, batches = t.start.epoch, t.start.batches_done
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
-    lines.append(f"Training {opt.epochs} epochs of {t.imgsz} px images"
-                 + (f", resuming at {where}" if epoch or batches else ""))
+    plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {opt.epochs} planned until "
+            "the first is timed)" if opt.time else f"{opt.epochs} epochs")
+    lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else ""))
     LOGGER.info("\n".join(lines))
 
 

@@ -1,0 +1,30 @@
+"""Wraps train.py for tests/test_stop_conditions.py: at the listed backward calls (1-based, counted
+per process) of the highest rank, the loss gets a term that is 0 in value but NaN in its gradient.
+The optimizer step then writes NaN weights on every rank (DDP averages the gradient), and the next
+batch's loss is NaN everywhere: a real divergence, for --nan-recover to roll back.
+
+usage: nan_grad.py CALLS TRAIN_ARGS...   (CALLS: comma-separated, e.g. 3 or 3,9)
+"""
+import sys
+
+import torch
+
+import train
+from utils.engine import loop
+
+calls = {int(c) for c in sys.argv[1].split(",")}
+real_backward = loop.backward
+count = 0
+
+
+def poisoned_backward(t, loss):
+    global count
+    count += 1
+    if count in calls and t.info.rank == t.info.world_size - 1:
+        p = next(q for q in t.model.parameters() if q.requires_grad)
+        loss = loss + (p.sum() * 0).sqrt()  # value 0, gradient 0 * inf = NaN
+    real_backward(t, loss)
+
+
+loop.backward = poisoned_backward
+sys.exit(train.cli(sys.argv[2:]))

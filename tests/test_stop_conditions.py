@@ -1,0 +1,185 @@
+"""When a run ends other than after --epochs: a time budget (--time) and NaN recovery (--nan-recover)."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import ROOT, run_env
+from tests.test_resume import ARGS, TORCHRUN
+from utils.core.dist import DistInfo
+from utils.core.hyp import Hyp
+from utils.data.loader import TrainSampler
+from utils.engine.hooks import TimeBudget
+from utils.engine.optim import ModelEMA, lr_lambda, make_scheduler, smart_optimizer
+from utils.engine.recover import NanRecovery
+
+NAN_GRAD = str(ROOT / "tests" / "scripts" / "nan_grad.py")
+
+
+# ---------------------------------------------------------------- --nan-recover
+def _tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 2, 1))
+
+
+def _step(model, optimizer, ema, poison: bool = False) -> None:
+    loss = model(torch.rand(2, 3, 8, 8)).square().mean()
+    if poison:  # 0 in value, NaN in gradient
+        loss = loss + (next(model.parameters()).sum() * 0).sqrt()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    ema.update(model)
+
+
+def _snapshot(model, optimizer, ema) -> dict:
+    return copy.deepcopy({"model": model.state_dict(), "ema": ema.ema.state_dict(), "opt": optimizer.state_dict(),
+                          "updates": ema.updates})
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for key in ("model", "ema"):
+        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["updates"] == b["updates"]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_nan_recovery_puts_model_ema_and_optimizer_back_exactly(name):
+    model = _tiny_model()
+    optimizer = smart_optimizer(model, name, lr=0.01, momentum=0.9, decay=5e-4)
+    ema = ModelEMA(model)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    recovery = NanRecovery(2, model, ema, optimizer, scaler)
+    for _ in range(3):
+        recovery.remember()
+        _step(model, optimizer, ema)
+    recovery.remember()
+    good = _snapshot(model, optimizer, ema)
+    _step(model, optimizer, ema, poison=True)
+    assert not all(p.isfinite().all() for p in model.parameters())  # the step really diverged
+    assert recovery.restore() and recovery.used == 1 and recovery.left == 1
+    _assert_same(_snapshot(model, optimizer, ema), good)
+    _step(model, optimizer, ema)  # and training goes on from there
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_nan_recovery_before_any_step_keeps_the_starting_state():
+    model = _tiny_model()
+    optimizer = smart_optimizer(model, "AdamW", lr=0.01, momentum=0.9, decay=5e-4)
+    ema = ModelEMA(model)
+    recovery = NanRecovery(1, model, ema, optimizer, torch.amp.GradScaler("cuda", enabled=False))
+    start = _snapshot(model, optimizer, ema)
+    assert not recovery.restore()  # nothing remembered: the state is still the one the run started from
+    recovery.remember()
+    _step(model, optimizer, ema, poison=True)
+    assert recovery.restore()
+    _assert_same(_snapshot(model, optimizer, ema), start)
+    assert not optimizer.state  # the first step's lazily made buffers are gone too
+
+
+def _train(launcher, data, project, name, extra=(), script=("train.py",)):
+    return subprocess.run([*launcher, *script, "--data", str(data), "--project", str(project), "--name", name,
+                           *ARGS, *extra], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
+def test_a_diverged_step_is_rolled_back_and_training_ends_normally(tiny_data, tmp_path, launcher):
+    p = _train(launcher, tiny_data, tmp_path, "nan", ["--nan-recover", "2"], script=(NAN_GRAD, "3"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "the loss became NaN/inf on rank(s)" in out
+    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out
+    assert "recovery 2/2" not in out
+    last = torch.load(tmp_path / "nan" / "weights" / "last.pt", weights_only=True)
+    assert all(v.isfinite().all() for v in last["model"].values() if v.is_floating_point())
+    assert all(v.isfinite().all() for v in last["ema"].values() if v.is_floating_point())
+
+
+def test_recoveries_run_out_and_the_run_stops_with_the_reason(tiny_data, tmp_path):
+    p = _train([sys.executable], tiny_data, tmp_path, "nan", ["--nan-recover", "1"], script=(NAN_GRAD, "3,8"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert "recovery 1/1: rolled back" in out
+    assert "all 1 --nan-recover recoveries are used" in out
+    assert "Traceback" not in out
+
+
+def test_without_the_option_a_non_finite_loss_stops_and_points_to_it(tiny_data, tmp_path):
+    p = _train([sys.executable], tiny_data, tmp_path, "nan", script=(NAN_GRAD, "3"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "the loss became NaN/inf" in out and "--nan-recover N" in out
+
+
+# ---------------------------------------------------------------- --time
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # no training in the fakes
+
+
+def _fake_run(epochs: int, close_mosaic: int = 2):
+    params = [nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    lf = lr_lambda(epochs, 0.01)
+    sampler = TrainSampler(8)
+    t = SimpleNamespace(opt=SimpleNamespace(epochs=epochs, cos_lr=False), hyp=Hyp(lrf=0.01, close_mosaic=close_mosaic),
+                        info=DistInfo(), scheduler=make_scheduler(optimizer, lf, 0), lr_lambda=lf,
+                        optimizer=optimizer, train_loader=SimpleNamespace(sampler=sampler))
+    return t
+
+
+def _after_epoch(t, epoch: int, spent: float, epoch_seconds: list[float]):
+    """The state train() has after ``epoch``: the scheduler stepped, ``spent`` seconds used."""
+    t.scheduler.step()
+    return SimpleNamespace(epoch=epoch, epoch_seconds=epoch_seconds[:-1], train_seconds=spent)
+
+
+def test_time_budget_fits_the_epochs_the_schedule_and_close_mosaic():
+    t = _fake_run(epochs=3)
+    budget = TimeBudget(hours=100 / 3600)  # 100 s
+    budget.refit(t, _after_epoch(t, 0, spent=12.0, epoch_seconds=[10.0]), 10.0)
+    assert t.opt.epochs == 1 + 8  # 88 s left, 10 s an epoch
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(9, 0.01)(1))  # epoch 1's LR, 9-epoch plan
+    assert t.train_loader.sampler.mosaic_off_from_epoch == 9 - 2
+    budget.refit(t, _after_epoch(t, 1, spent=40.0, epoch_seconds=[10.0, 26.0]), 26.0)
+    assert t.opt.epochs == 2 + 3  # 60 s left at 18 s an epoch
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(5, 0.01)(2))
+    assert t.train_loader.sampler.mosaic_off_from_epoch == 3
+    for epoch in (2, 3):  # epoch 3 closed mosaic; a faster pace later does not reopen it
+        budget.refit(t, _after_epoch(t, epoch, spent=41.0 + epoch, epoch_seconds=[10.0, 26.0, 1.0, 1.0][:epoch + 1]), 1.0)
+    assert t.opt.epochs > 5 and t.train_loader.sampler.mosaic_off_from_epoch == 3
+
+
+def test_time_budget_ends_on_the_epoch_planned_last_and_when_nothing_fits():
+    t = _fake_run(epochs=4)
+    budget = TimeBudget(hours=1 / 3600)
+    budget.refit(t, _after_epoch(t, 0, spent=5.0, epoch_seconds=[5.0]), 5.0)
+    assert t.opt.epochs == 1  # over budget: the epoch just done is the last
+    t = _fake_run(epochs=2)
+    budget = TimeBudget(hours=1.0)
+    budget.refit(t, _after_epoch(t, 1, spent=5.0, epoch_seconds=[2.0, 2.0]), 2.0)
+    assert t.opt.epochs == 2  # began as the last epoch: not extended
+    off = TimeBudget(hours=0)
+    t = _fake_run(epochs=3)
+    off.refit(t, _after_epoch(t, 0, spent=1e9, epoch_seconds=[1.0]), 1.0)
+    assert t.opt.epochs == 3
+
+
+def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path):
+    p = _train([sys.executable], tiny_data, tmp_path, "budget", ["--time", "0.0001", "--save-period", "1"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "--time 0.0001 h: 1 epochs fit" in out and "1 epochs completed" in out
+    run = tmp_path / "budget"
+    last = torch.load(run / "weights" / "last.pt", weights_only=True)
+    assert last["epoch"] == 0 and last["args"]["epochs"] == 1 and "optimizer" not in last  # finished, stripped
+    assert (run / "weights" / "best.pt").exists() and (run / "results.png").exists()
+    assert len((run / "results.csv").read_text().strip().splitlines()) == 2  # header + the one epoch
+    assert "python val.py --weights" in out

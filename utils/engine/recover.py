@@ -1,0 +1,100 @@
+"""--nan-recover N: survive a non-finite loss instead of stopping the run.
+
+By default a NaN/inf loss on any rank stops every rank together (loop.check_step), which is right
+when the recipe is broken. With ``--nan-recover N`` the ranks, having agreed on the bad step in the
+same all-reduce, roll back together instead: to the state from before the last optimizer step,
+which every batch since the step before it had scored with a finite loss. The offending batch is
+skipped, the gradients accumulated since the last step are dropped, and the LR of every parameter
+group is halved for the rest of the epoch (an overshoot is the usual cause; the schedule restores
+the LR at the next epoch). After N recoveries the next non-finite loss stops the run as before.
+
+The state is kept in memory on the training device: one extra copy of the model, its EMA and the
+optimizer's buffers, refreshed in place at every optimizer step (no allocation after the first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+
+@dataclass
+class _Saved:
+    """The copy taken before an optimizer step."""
+
+    tensors: list[torch.Tensor]  # model and EMA parameters and buffers, in _live() order
+    optimizer: dict[int, dict[str, torch.Tensor]]  # parameter index -> its optimizer state
+    ema_updates: int
+    scaler: dict = field(default_factory=dict)
+
+
+class NanRecovery:
+    """Remembers the last known-good training state and puts it back after a non-finite loss."""
+
+    def __init__(self, limit: int, model: nn.Module, ema, optimizer: torch.optim.Optimizer, scaler) -> None:
+        self.limit, self.used = limit, 0
+        self.model, self.ema, self.optimizer, self.scaler = model, ema, optimizer, scaler
+        self._saved: _Saved | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def _live(self) -> list[torch.Tensor]:
+        modules = (self.model, self.ema.ema)
+        return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def remember(self) -> None:
+        """Called before each optimizer step: copy the state every batch since the last step trained on."""
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            live = self._live()
+            if self._saved is None:
+                self._saved = _Saved([t.detach().clone() for t in live], {}, 0)
+            else:
+                for mine, now in zip(self._saved.tensors, live):
+                    mine.copy_(now)
+            saved = self._saved.optimizer
+            for i, p in enumerate(self._params()):
+                state = self.optimizer.state.get(p)
+                if not state:
+                    saved.pop(i, None)
+                    continue
+                mine = saved.setdefault(i, {})
+                for k, v in state.items():
+                    if torch.is_tensor(v) and k in mine and mine[k].shape == v.shape:
+                        mine[k].copy_(v)
+                    else:
+                        mine[k] = v.detach().clone() if torch.is_tensor(v) else v
+        self._saved.ema_updates = self.ema.updates
+        self._saved.scaler = self.scaler.state_dict()
+
+    def restore(self) -> bool:
+        """Put the remembered state back and count a recovery; False when nothing was remembered yet (no optimizer step
+        since this process started: the state is still the one it started from, good by definition)."""
+        self.used += 1
+        self.optimizer.zero_grad()
+        if self._saved is None:
+            return False
+        with torch.no_grad():
+            for now, mine in zip(self._live(), self._saved.tensors):
+                now.copy_(mine)
+            self.optimizer.state.clear()
+            for i, p in enumerate(self._params()):
+                if i in self._saved.optimizer:
+                    self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                               for k, v in self._saved.optimizer[i].items()}
+        self.ema.updates = self._saved.ema_updates
+        if self._saved.scaler:
+            self.scaler.load_state_dict(self._saved.scaler)
+        return True
