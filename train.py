@@ -26,6 +26,7 @@ from utils.core.errors import EXIT_PREEMPTED, Preempted, UserError, run_entry_po
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import latest_checkpoint
+from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
 from utils.engine.checkpoint import load_checkpoint, to_plain
 from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock, TimeBudget
@@ -39,8 +40,8 @@ from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
-RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "patience", "cache", "cache_dir", "noval", "save_period",
-                   "save_interval", "keep_optimizer", "noplots", "threads"}
+RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
+                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nan-recover", type=Range(int, min=0), default=0,
                    help="on a NaN/inf loss, roll every rank back to the state before the last optimizer step, skip the "
                         "batch and halve the LR for the rest of the epoch, up to N times (0: stop the run, the default)")
+    p.add_argument("--hang-timeout", type=Range(float, min=0), default=30.0,
+                   help="minutes without progress (a batch fetched, a step, a collective, a validation batch) after "
+                        "which every rank names the phase it is stuck in and exits with code 124 (0: off)")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
@@ -125,11 +129,13 @@ def main(opt: argparse.Namespace) -> None:
     opt.amp = dist.amp_default(opt.amp, device, legacy=ckpt is not None and "amp" not in ckpt["args"])
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-    dist.init_distributed(info, device)
-    try:
-        train(opt, info, device, ckpt, stop)
-    finally:
-        dist.cleanup_distributed()
+    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
+        with watch.phase("init process group"):
+            dist.init_distributed(info, device)
+        try:
+            train(opt, info, device, ckpt, stop, watch)
+        finally:
+            dist.cleanup_distributed()
 
 
 def resolve_resume(opt: argparse.Namespace) -> dict | None:
@@ -184,11 +190,12 @@ def _same_arg(given, saved) -> bool:
 
 
 def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None,
-          stop: StopRequest) -> None:
+          stop: StopRequest, watch: Watchdog) -> None:
     t0 = time.time()
-    t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
-    plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
-    plots.labels(t.train_loader.dataset)
+    with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
+        t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
+        plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
+        plots.labels(t.train_loader.dataset)
     checkpointer = Checkpointer(t.weights_dir, info, opt.save_period)
     end_epoch, clock, budget = EpochEnd(t, checkpointer), SaveClock(opt.save_interval), TimeBudget(opt.time)
     if info.is_main:
@@ -201,24 +208,27 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
         if epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
-        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop, recovery)
+        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop, recovery, watch)  # phases loader, step, save
         if state.preempted_at is not None:
             break
         lrs = [g["lr"] for g in t.optimizer.param_groups]
         t.scheduler.step()
-        result = validate(t, epoch)
-        budget.refit(t, state, time.time() - t_epoch)  # --time: the epochs that fit, before the checkpoint
-        if result is None and epoch + 1 == opt.epochs:  # --noval, and --time just made this epoch the last
+        with watch.phase("validation", f"epoch {epoch + 1}"):  # each batch is progress
             result = validate(t, epoch)
-        early_stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
-        if result is not None and epoch + 1 == opt.epochs:
-            plots.validation(result)
+            budget.refit(t, state, time.time() - t_epoch)  # --time: the epochs that fit, before the checkpoint
+            if result is None and epoch + 1 == opt.epochs:  # --noval, and --time just made this epoch the last
+                result = validate(t, epoch)
+        with watch.phase("save", f"epoch {epoch + 1}"):
+            early_stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
+            if result is not None and epoch + 1 == opt.epochs:
+                plots.validation(result)
         clock.restart()
         state.epoch_seconds.append(time.time() - t_epoch)
         if early_stop or state.stopping:
             break
         epoch += 1
-    release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
+    with watch.phase("finish"):
+        release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
     if state.preempted_at is not None or (state.stopping and not early_stop and state.epoch + 1 < opt.epochs):
         where = (f"epoch {state.epoch + 1}, batch {state.preempted_at}/{t.batches_per_epoch}"
                  if state.preempted_at is not None else f"the end of epoch {state.epoch + 1}")

@@ -4,6 +4,10 @@ Plain ``python train.py`` is world size 1 with no process group. Under ``torchru
 joins the default group (nccl on CUDA, gloo on CPU) plus a CPU gloo group used for object
 gathers and for the long waits of ``torch_distributed_zero_first``, which must survive a
 dataset scan far longer than an NCCL watchdog would tolerate.
+
+Every collective here names itself to the rank's hang watchdog while it waits (a phase such as
+"collective all_reduce_sum", utils/core/watchdog.py), so a rank blocked on a stalled peer says
+where; the collectives DDP runs inside forward and backward count as the loop's "step".
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from utils.core import watchdog
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
@@ -239,15 +244,20 @@ def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
 
 
 def _rendezvous(failed: bool, raise_on_failure: bool = True) -> None:
+    """The zero-first wait: as long as the slowest node's scan or cache build, which beats only on its
+    own local rank 0, so the watchdog allows it the CPU group's own timeout."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-    dist.all_reduce(flag, group=_CPU_GROUP)
+    with watchdog.phase("collective all_reduce (local rank 0 prepares the data)",
+                        patience_s=LONG_TIMEOUT.total_seconds()):
+        dist.all_reduce(flag, group=_CPU_GROUP)
     if flag.item() and raise_on_failure:
         raise UserError("a node's local rank 0 failed while preparing data (its error is shown above)")
 
 
 def barrier() -> None:
     if is_dist():
-        dist.barrier(group=_CPU_GROUP)
+        with watchdog.phase("collective barrier"):
+            dist.barrier(group=_CPU_GROUP)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -255,7 +265,8 @@ def all_gather_object(obj: Any) -> list[Any]:
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * _world_size()
-    dist.all_gather_object(out, obj, group=_CPU_GROUP)
+    with watchdog.phase("collective all_gather_object"):
+        dist.all_gather_object(out, obj, group=_CPU_GROUP)
     return out
 
 
@@ -264,7 +275,8 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     if not is_dist():
         return [obj]
     out = [None] * _world_size() if _rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=_CPU_GROUP)
+    with watchdog.phase("collective gather_object"):
+        dist.gather_object(obj, out, dst=dst, group=_CPU_GROUP)
     return out
 
 
@@ -273,7 +285,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    with watchdog.phase("collective broadcast_object"):
+        dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
     return box[0]
 
 
@@ -282,7 +295,8 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if not is_dist():
         return t
     t = t.clone()
-    dist.all_reduce(t)
+    with watchdog.phase("collective all_reduce_sum"):
+        dist.all_reduce(t)
     return t
 
 

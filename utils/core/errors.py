@@ -17,6 +17,7 @@ class UserError(Exception):
 
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "temporary failure, retry" -- requeue and --resume auto
+EXIT_HUNG = 124  # timeout(1)'s code: a rank made no progress for --hang-timeout minutes (utils/core/watchdog.py)
 
 
 class Preempted(Exception):

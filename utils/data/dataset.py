@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from utils.core import watchdog
 from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
@@ -61,9 +62,10 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.path, self.img_size, self.augment = path, img_size, augment
         self.hyp = hyp if hyp is not None else Hyp()
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
-        img_files = resolve_image_files(path)
-        label_files = img2label_paths(img_files)
-        result, self.cache_hit = load_or_scan(path, img_files, label_files, nc, cache_dir)
+        with watchdog.phase("scan", f"{prefix}{describe_source(path)}"):  # the scan beats per file
+            img_files = resolve_image_files(path)
+            label_files = img2label_paths(img_files)
+            result, self.cache_hit = load_or_scan(path, img_files, label_files, nc, cache_dir)
         c, where, split = result.counts, describe_source(path), prefix.strip(" :") or "split"
         if verbose:
             report = write_problem_report(result.msgs, report_dir, split, where) if report_dir else None

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from utils.core import watchdog
 from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
@@ -271,8 +272,8 @@ def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: b
                 return
             data[offsets[i]:offsets[i] + out.size] = out.reshape(-1)
 
-        with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
-            list(pool.map(one, range(n)))
+        with watchdog.phase("cache images"), ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+            list(watchdog.beats(pool.map(one, range(n))))  # each image is progress
         data.flush()
         del data
         os.replace(tmp, cache.file)

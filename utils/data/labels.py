@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from utils.core import watchdog
 from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.core.errors import UserError
 from utils.data.images import IMG_SUFFIXES, verify_image
@@ -205,7 +206,8 @@ def scan_labels(img_files: Sequence[str], label_files: Sequence[str], nc: int,
     """
     workers = num_workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = list(pool.map(lambda pair: _verify_pair(pair[0], pair[1], nc), zip(img_files, label_files)))
+        results = list(watchdog.beats(pool.map(lambda pair: _verify_pair(pair[0], pair[1], nc),
+                                               zip(img_files, label_files))))  # each file is progress
     counts = dict.fromkeys(COUNT_KEYS, 0)
     keep_img, keep_lb, labels, sizes, msgs = [], [], [], [], []
     for (img, lbf), (status, read, hw, msg) in zip(zip(img_files, label_files), results):

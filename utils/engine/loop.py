@@ -6,9 +6,11 @@ step lives in ``LoopState``; what stays fixed for the run lives in ``Training`` 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -17,10 +19,14 @@ from tqdm import tqdm
 from utils.core import dist
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
+from utils.core.watchdog import Watchdog
 from utils.engine.hooks import Checkpointer, RunPlots, SaveClock
 from utils.engine.preempt import StopRequest
 from utils.engine.recover import NanRecovery
 from utils.engine.setup import Training
+
+T = TypeVar("T")
+_END = object()  # fetch_batches: the loader is exhausted
 
 
 @dataclass
@@ -66,57 +72,72 @@ class StepFlags:
 
 
 def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointer: Checkpointer,
-                    plots: RunPlots, stop: StopRequest, recovery: NanRecovery) -> torch.Tensor:
+                    plots: RunPlots, stop: StopRequest, recovery: NanRecovery, watch: Watchdog) -> torch.Tensor:
     """One pass over this rank's shard; returns the mean loss items averaged over ranks.
 
     A stop signal agreed at a step (``state.stopping``) ends the epoch at the next optimizer step (at
     most ``accumulate`` batches later) with a mid-epoch last.pt and ``state.preempted_at`` set; when
-    that step is the epoch's last, the epoch ends as usual and train() stops after its checkpoint."""
+    that step is the epoch's last, the epoch ends as usual and train() stops after its checkpoint.
+    ``watch`` hears of each batch: fetched in phase "loader", trained in "step", saved in "save"."""
     t.model.train()
     epoch, first = state.epoch, state.first_batch
     nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
     mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
     state.first_batch, state.mloss, state.lr_scale = 0, None, 1.0
     bar = ProgressBar(t, state, first, nb)
-    for i, batch in bar.enumerate(t.train_loader, first):
-        ni = i + nb * epoch  # integrated batch count since the start of training
-        imgs = prepare_images(t, batch)
-        if t.opt.multi_scale:
-            imgs = rescale_batch(imgs, t.imgsz, t.grid, t.opt.seed, epoch=epoch, i=i)
-        t.warmup.apply(t.optimizer, ni, t.lr_lambda, epoch)
-        if ni <= t.warmup.iters:
-            state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
-            scale_lr(t.optimizer, state.lr_scale)  # warmup set the LR afresh
-        plots.train_batch(batch, ni)
-        with t.autocast():
-            pred = t.model(imgs)
-            loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
-        flags = check_step(loss_items, t.info, clock.due(t.info), stop.requested)
-        clock.pending |= flags.save_due
-        state.stopping |= flags.stop
-        if flags.bad_ranks:  # every rank agreed: stop the run, or (--nan-recover) roll back and skip the batch
-            skip_bad_batch(t, state, recovery, flags.bad_ranks, loss_items, i)
-            state.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
-            continue
-        mloss = (mloss * i + loss_items) / (i + 1)
-        backward(t, loss)
-        # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
-        # gradients, so a resumed run continues exactly where the interrupted one would have.
-        if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
-            recovery.remember()  # every batch since the last step had a finite loss on this state
-            optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
-            state.last_opt_step = ni
-            if state.stopping and i < nb - 1:
-                mean = dist.reduce_mean(mloss)
-                checkpointer.save_mid_epoch(t, state, i + 1, mean)
-                state.preempted_at = i + 1
-                bar.close()
-                return mean.cpu()
-            if clock.pending and i < nb - 1:  # the epoch's end saves anyway
-                clock.restart()
-                checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
-        bar.update(i, mloss, batch, imgs)
+    for i, batch in fetch_batches(bar.enumerate(t.train_loader, first), watch, epoch, first):
+        with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
+            ni = i + nb * epoch  # integrated batch count since the start of training
+            imgs = prepare_images(t, batch)
+            if t.opt.multi_scale:
+                imgs = rescale_batch(imgs, t.imgsz, t.grid, t.opt.seed, epoch=epoch, i=i)
+            t.warmup.apply(t.optimizer, ni, t.lr_lambda, epoch)
+            if ni <= t.warmup.iters:
+                state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
+                scale_lr(t.optimizer, state.lr_scale)  # warmup set the LR afresh
+            plots.train_batch(batch, ni)
+            with t.autocast():
+                pred = t.model(imgs)
+                loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
+            flags = check_step(loss_items, t.info, clock.due(t.info), stop.requested)
+            clock.pending |= flags.save_due
+            state.stopping |= flags.stop
+            if flags.bad_ranks:  # every rank agreed: stop the run, or (--nan-recover) roll back and skip the batch
+                skip_bad_batch(t, state, recovery, flags.bad_ranks, loss_items, i)
+                state.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
+                continue
+            mloss = (mloss * i + loss_items) / (i + 1)
+            backward(t, loss)
+            # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
+            # gradients, so a resumed run continues exactly where the interrupted one would have.
+            if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
+                recovery.remember()  # every batch since the last step had a finite loss on this state
+                optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
+                state.last_opt_step = ni
+                if state.stopping and i < nb - 1:
+                    with watch.phase("save"):
+                        mean = dist.reduce_mean(mloss)
+                        checkpointer.save_mid_epoch(t, state, i + 1, mean)
+                    state.preempted_at = i + 1
+                    bar.close()
+                    return mean.cpu()
+                if clock.pending and i < nb - 1:  # the epoch's end saves anyway
+                    clock.restart()
+                    with watch.phase("save"):
+                        checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
+            bar.update(i, mloss, batch, imgs)
     return dist.reduce_mean(mloss).cpu()
+
+
+def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int) -> Iterator[T]:
+    """The epoch's batches, each waited for in phase "loader": a stalled loader worker names itself."""
+    it = iter(batches)
+    for i in itertools.count(first):
+        with watch.phase("loader", f"epoch {epoch + 1}, batch {i + 1}"):
+            item = next(it, _END)
+        if item is _END:
+            return
+        yield item
 
 
 def prepare_images(t: Training, batch) -> torch.Tensor:
