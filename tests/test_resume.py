@@ -355,3 +355,37 @@ def test_stop_signals_at_random_moments_lose_nothing(tiny_data, tmp_path, kind, 
     assert proc.returncode == 0, out[-3000:]
     assert len(saved) >= 2 and any(done for _, done in saved), f"stops (epoch, batches done): {saved}"
     _assert_same_run(reference(kind), torch.load(run_dir / "weights" / "last.pt", weights_only=True))
+
+
+@pytest.mark.dist
+def test_slurm_warning_signal_to_one_srun_task_saves_and_resumes_exactly(tiny_data, tmp_path, reference):
+    """``srun`` style (two plain processes with SLURM's variables, no torchrun): SLURM's USR1 reaches
+    one task; both stop at the same step with exit code 75, and the requeued job ends bit-identical
+    to an undisturbed 2-process run."""
+    from tests.test_dist import _free_port
+
+    def launch(port: int) -> list[subprocess.Popen]:
+        env = dict(run_env(), SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1",
+                   MASTER_PORT=str(port))
+        return [subprocess.Popen([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path),
+                                  "--name", "job", *ARGS, "--resume", "auto"], cwd=ROOT,
+                                 env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+
+    procs = launch(_free_port())
+    first = procs[0].stdout.readline()
+    while first and not first.startswith(f"Training {EPOCHS} epochs"):  # rank 0's start summary ends the set-up
+        first = procs[0].stdout.readline()
+    time.sleep(1.0)
+    procs[1].send_signal(signal.SIGUSR1)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [75, 75], outs[0][-3000:] + outs[1][-3000:]
+    assert "SIGUSR1" in outs[1] and "exiting with code 75" in outs[0]
+    ckpt = torch.load(tmp_path / "job" / "weights" / "last.pt", weights_only=True)
+    assert "optimizer" in ckpt and ckpt["world_size"] == 2
+
+    procs = launch(_free_port())  # the requeued job
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "Resuming" in outs[0]
+    _assert_same_run(reference("2-process"), torch.load(tmp_path / "job" / "weights" / "last.pt", weights_only=True))
