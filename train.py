@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "anchor-free ones)")
     p.add_argument("--epochs", type=Range(int, min=1), default=15,
                    help="total training epochs (sized for the quick built-in run)")
-    p.add_argument("--time", type=Range(float, min=0), default=0.0,
+    p.add_argument("--time", type=Range(float, min=0, max=1e6), default=0.0,
                    help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
                         "close_mosaic fitted to them (0: off)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
@@ -131,7 +131,8 @@ def main(opt: argparse.Namespace) -> None:
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):
-            dist.init_distributed(info, device)
+            # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
+            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
         try:
             train(opt, info, device, ckpt, stop, watch)
         finally:
@@ -169,6 +170,9 @@ def resolve_resume(opt: argparse.Namespace) -> dict | None:
         listed = ", ".join(f"--{k.replace('_', '-')} {changed[k]} (run has {saved[k]})" for k in math)
         raise UserError(f"{path}: resuming with {listed} would change the training math; "
                         "drop them, or pass --allow-changes to continue with them")
+    if "epochs" in changed and (opt.time or saved.get("time")):  # --epochs only planned a --time run's first epoch
+        LOGGER.info(f"--time: --epochs {changed.pop('epochs')} ignored; the run's refitted count, {saved['epochs']}, "
+                    "stands")
     if changed.get("epochs") is not None and changed["epochs"] <= ckpt["epoch"] + 1:
         raise UserError(f"{path}: --epochs {changed['epochs']} but {ckpt['epoch'] + 1} epochs are already done")
     if changed:
@@ -196,16 +200,22 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
         plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
         plots.labels(t.train_loader.dataset)
-    checkpointer = Checkpointer(t.weights_dir, info, opt.save_period)
+    recovery = NanRecovery(opt.nan_recover, t.model, t.ema, t.optimizer, t.scaler)
+    if ckpt is not None:
+        recovery.load_state_dict(ckpt.get("nan_recovery"))  # the count and the rollback copy of the saved run
+        if opt.time and "mosaic_off_from_epoch" in ckpt:  # where --time had moved close_mosaic
+            t.train_loader.sampler.mosaic_off_from_epoch = ckpt["mosaic_off_from_epoch"]
+    checkpointer = Checkpointer(t.weights_dir, info, opt.save_period, recovery)
     end_epoch, clock, budget = EpochEnd(t, checkpointer), SaveClock(opt.save_interval), TimeBudget(opt.time)
     if info.is_main:
         log_start_summary(t)
-    recovery = NanRecovery(opt.nan_recover, t.model, t.ema, t.optimizer, t.scaler)
-    state, early_stop = LoopState.start(t, t0), False
-    epoch = t.start.epoch
+    state = LoopState.start(t, t0, lr_scale=float(ckpt.get("lr_scale", 1.0)) if ckpt is not None else 1.0)
+    if ckpt is not None:  # earlier attempts' epoch times: --time's mean and the ETA start from them
+        state.epoch_seconds = [float(s) for s in ckpt.get("epoch_seconds", [])]
+    early_stop, epoch = False, t.start.epoch
     while epoch < opt.epochs:  # --time may change opt.epochs after each epoch
-        state.epoch, t_epoch = epoch, time.time()
-        t.train_loader.sampler.set_epoch(epoch, skip=state.first_batch * t.batch)
+        state.epoch, t_epoch, first = epoch, time.time(), state.first_batch
+        t.train_loader.sampler.set_epoch(epoch, skip=first * t.batch)
         if epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
         mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop, recovery, watch)  # phases loader, step, save
@@ -215,7 +225,10 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
         t.scheduler.step()
         with watch.phase("validation", f"epoch {epoch + 1}"):  # each batch is progress
             result = validate(t, epoch)
-            budget.refit(t, state, time.time() - t_epoch)  # --time: the epochs that fit, before the checkpoint
+            seconds = None if first else time.time() - t_epoch  # a resumed part of an epoch is no epoch's time
+            budget.refit(t, state, seconds)  # --time: the epochs that fit, before the checkpoint
+            if seconds is not None:
+                state.epoch_seconds.append(seconds)  # before the checkpoint, which carries them to a resume
             if result is None and epoch + 1 == opt.epochs:  # --noval, and --time just made this epoch the last
                 result = validate(t, epoch)
         with watch.phase("save", f"epoch {epoch + 1}"):
@@ -223,7 +236,6 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
             if result is not None and epoch + 1 == opt.epochs:
                 plots.validation(result)
         clock.restart()
-        state.epoch_seconds.append(time.time() - t_epoch)
         if early_stop or state.stopping:
             break
         epoch += 1

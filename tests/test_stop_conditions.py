@@ -105,6 +105,28 @@ def test_a_diverged_step_is_rolled_back_and_training_ends_normally(tiny_data, tm
     assert all(v.isfinite().all() for v in last["ema"].values() if v.is_floating_point())
 
 
+def test_a_resumed_run_rolls_back_as_the_uninterrupted_one(tiny_data, tmp_path):
+    """Stopped (SIGUSR1) at the step whose gradient was NaN, the run saves NaN weights; the resumed run
+    must roll that step back as the uninterrupted run does and end with the same bits."""
+    ref = _train([sys.executable], tiny_data, tmp_path, "ref", ["--nan-recover", "2"], script=(NAN_GRAD, "3"))
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    cut = subprocess.run([sys.executable, NAN_GRAD, "3", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
+                          "cut", *ARGS, "--nan-recover", "2"], cwd=ROOT, env=dict(run_env(), NAN_GRAD_USR1_AT="2"),
+                         capture_output=True, text=True, timeout=600)
+    out = cut.stdout + cut.stderr
+    assert cut.returncode == 75 and "at epoch 1, batch 3/4" in out, out[-3000:]  # saved right after the NaN step
+    last = tmp_path / "cut" / "weights" / "last.pt"
+    p = subprocess.run([sys.executable, NAN_GRAD, "0", "--resume", str(last)], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out
+    a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)
+    b = torch.load(last, weights_only=True)
+    for key in ("model", "ema"):
+        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+
+
 def test_recoveries_run_out_and_the_run_stops_with_the_reason(tiny_data, tmp_path):
     p = _train([sys.executable], tiny_data, tmp_path, "nan", ["--nan-recover", "1"], script=(NAN_GRAD, "3,8"))
     out = p.stdout + p.stderr
@@ -183,3 +205,15 @@ def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path):
     assert (run / "weights" / "best.pt").exists() and (run / "results.png").exists()
     assert len((run / "results.csv").read_text().strip().splitlines()) == 2  # header + the one epoch
     assert "python val.py --weights" in out
+
+
+def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
+    """The requeued command repeats --epochs, which only planned a --time run's first epoch: the resume
+    neither refuses it (fewer than the epochs done) nor trains to it."""
+    import train
+    saved = vars(train.build_parser().parse_args(["--time", "1", "--epochs", "2"]))
+    saved.update(epochs=40, resume=False)  # the count --time had refitted when the run was saved
+    torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
+    opt = train.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
+    train.resolve_resume(opt)
+    assert opt.epochs == 40

@@ -3,8 +3,11 @@ per process) of the highest rank, the loss gets a term that is 0 in value but Na
 The optimizer step then writes NaN weights on every rank (DDP averages the gradient), and the next
 batch's loss is NaN everywhere: a real divergence, for --nan-recover to roll back.
 
-usage: nan_grad.py CALLS TRAIN_ARGS...   (CALLS: comma-separated, e.g. 3 or 3,9)
+usage: nan_grad.py CALLS TRAIN_ARGS...   (CALLS: comma-separated, e.g. 3 or 3,9; 0: none)
+With NAN_GRAD_USR1_AT=K in the environment the process also sends itself SIGUSR1 at backward call K.
 """
+import os
+import signal
 import sys
 
 import torch
@@ -15,11 +18,14 @@ from utils.engine import loop
 calls = {int(c) for c in sys.argv[1].split(",")}
 real_backward = loop.backward
 count = 0
+usr1_at = int(os.environ.get("NAN_GRAD_USR1_AT", "0"))
 
 
 def poisoned_backward(t, loss):
     global count
     count += 1
+    if count == usr1_at:
+        os.kill(os.getpid(), signal.SIGUSR1)
     if count in calls and t.info.rank == t.info.world_size - 1:
         p = next(q for q in t.model.parameters() if q.requires_grad)
         loss = loss + (p.sum() * 0).sqrt()  # value 0, gradient 0 * inf = NaN

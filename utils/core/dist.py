@@ -180,13 +180,16 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
     return chosen
 
 
-def init_distributed(info: DistInfo, device: torch.device) -> None:
-    """Join the process group (nccl for CUDA, gloo for CPU) and create the CPU gloo group."""
+def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float = 0.0) -> None:
+    """Join the process group (nccl for CUDA, gloo for CPU) and create the CPU gloo group.
+
+    ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise),
+    so a rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up."""
     global _CPU_GROUP
     if not info.distributed or is_dist():
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-    timeout = datetime.timedelta(minutes=30)
+    timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=min_timeout_s))
     store = _restart_store(info, timeout)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timeout)
@@ -248,7 +251,7 @@ def _rendezvous(failed: bool, raise_on_failure: bool = True) -> None:
     own local rank 0, so the watchdog allows it the CPU group's own timeout."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
     with watchdog.phase("collective all_reduce (local rank 0 prepares the data)",
-                        patience_s=LONG_TIMEOUT.total_seconds()):
+                        patience_s=LONG_TIMEOUT.total_seconds() - 300):  # named before gloo's own timeout
         dist.all_reduce(flag, group=_CPU_GROUP)
     if flag.item() and raise_on_failure:
         raise UserError("a node's local rank 0 failed while preparing data (its error is shown above)")

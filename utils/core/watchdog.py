@@ -132,15 +132,17 @@ class Watchdog:
 
     def _fire(self, idle: float) -> NoReturn:
         """Name the phase, dump every thread's stack, give peers their grace, end the loader workers, exit."""
-        # from a new line (a progress bar may hold the current one), one write, so ranks do not interleave
-        then = f" in {_duration(self.grace_s)} (time for the ranks waiting on it to report)" if self.grace_s else ""
-        _write(f"\nrank {self.rank}: no progress for {_duration(idle)} in {self.where()}; exiting with code "
-               f"{EXIT_HUNG}{then}. Stacks of its threads:\n")
-        faulthandler.dump_traceback(file=2, all_threads=True)
-        _flush_streams()
-        time.sleep(self.grace_s)
-        _kill_children()
-        os._exit(EXIT_HUNG)
+        try:  # whatever fails while reporting, the rank must still exit
+            # from a new line (a progress bar may hold the current one), one write, so ranks do not interleave
+            then = f" in {_duration(self.grace_s)} (time for the ranks waiting on it to report)" if self.grace_s else ""
+            _write(f"\nrank {self.rank}: no progress for {_duration(idle)} in {self.where()}; exiting with code "
+                   f"{EXIT_HUNG}{then}. Stacks of its threads:\n")
+            faulthandler.dump_traceback(file=2, all_threads=True)
+            _flush_streams()
+            time.sleep(self.grace_s)
+            _kill_children()
+        finally:
+            os._exit(EXIT_HUNG)
 
 
 def phase(name: str, detail: str | None = None, patience_s: float = 0.0) -> AbstractContextManager[None]:

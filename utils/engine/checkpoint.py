@@ -131,7 +131,7 @@ def load_foreign(path: str | Path, map_location: str | torch.device = "cpu") -> 
 def strip_optimizer(path: str | Path) -> None:
     """Drop the optimizer and training-only state from a finished checkpoint (smaller, inference-ready)."""
     ckpt = load_checkpoint(path)
-    for key in ("optimizer", "scaler", "rng", "ema_updates"):
+    for key in ("optimizer", "scaler", "rng", "ema_updates", "nan_recovery"):
         ckpt.pop(key, None)
     ckpt["stripped"] = True
     save_checkpoint(ckpt, path)

@@ -17,6 +17,7 @@ from utils.core.runs import ResultsCSV
 from utils.engine.checkpoint import fp32_state_dict, now_iso, rng_states, save_checkpoint, \
     strip_optimizer, to_plain, versions
 from utils.engine.optim import lr_lambda, refit_schedule
+from utils.engine.recover import NanRecovery
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
 from utils.eval.plots import plot_images, plot_labels, plot_results
@@ -61,14 +62,15 @@ class TimeBudget:
     def enabled(self) -> bool:
         return self.seconds > 0
 
-    def refit(self, t, state, epoch_seconds: float) -> None:
-        """After epoch ``state.epoch`` (which took ``epoch_seconds``): set t.opt.epochs to the epochs that fit."""
+    def refit(self, t, state, epoch_seconds: float | None) -> None:
+        """After epoch ``state.epoch`` (which took ``epoch_seconds``; None for the resumed rest of an epoch,
+        which times no whole one): set t.opt.epochs to the epochs that fit."""
         done = state.epoch + 1
-        if not self.enabled or done >= t.opt.epochs:  # the epoch planned last ends the run as planned
+        times = [*state.epoch_seconds, *([] if epoch_seconds is None else [epoch_seconds])]
+        if not self.enabled or done >= t.opt.epochs or not times:  # the epoch planned last ends the run as planned
             return
         total = None
         if t.info.is_main:
-            times = [*state.epoch_seconds, epoch_seconds]
             mean, left = sum(times) / len(times), self.seconds - state.train_seconds
             total = done + max(math.floor(left / mean), 0)
         total = int(dist.broadcast_object(total))
@@ -95,15 +97,23 @@ class Checkpointer:
     """Every checkpoint write of a run, from rank 0 only: last.pt (each epoch and mid-epoch),
     best.pt, epochN.pt (--save-period), and stripping the optimizer at the end."""
 
-    def __init__(self, weights_dir: Path, info: DistInfo, save_period: int = -1) -> None:
+    def __init__(self, weights_dir: Path, info: DistInfo, save_period: int = -1,
+                 recovery: NanRecovery | None = None) -> None:
         self.dir, self.info, self.save_period = Path(weights_dir), info, save_period
         self.last, self.best = self.dir / "last.pt", self.dir / "best.pt"
+        self.recovery = recovery  # --nan-recover's NanRecovery: its rollback copy and count travel with the run
+
+    def _checkpoint(self, t, state, epoch: int) -> dict:
+        ckpt = make_checkpoint(t, state, epoch)
+        if self.recovery is not None and self.recovery.enabled:
+            ckpt["nan_recovery"] = self.recovery.state_dict()
+        return ckpt
 
     def save_epoch(self, t, state, is_best: bool) -> None:
         """After epoch ``state.epoch``: last.pt, best.pt when it is the best so far, epochN.pt when due."""
         if not self.info.is_main:
             return
-        ckpt = make_checkpoint(t, state, state.epoch)
+        ckpt = self._checkpoint(t, state, state.epoch)
         save_checkpoint(ckpt, self.last)
         if is_best:
             save_checkpoint(ckpt, self.best)
@@ -114,8 +124,8 @@ class Checkpointer:
         """--save-interval: last.pt at an optimizer step inside ``state.epoch``, with the batches done."""
         if not self.info.is_main:
             return
-        ckpt = make_checkpoint(t, state, state.epoch - 1)
-        ckpt.update(batches_done=batches, mloss=mloss.tolist())
+        ckpt = self._checkpoint(t, state, state.epoch - 1)
+        ckpt.update(batches_done=batches, mloss=mloss.tolist(), lr_scale=state.lr_scale)
         save_checkpoint(ckpt, self.last)
         LOGGER.info(f"Saved {self.last} at epoch {state.epoch + 1}, batch {batches}/{t.batches_per_epoch}")
 
@@ -142,6 +152,8 @@ def make_checkpoint(t, state, epoch: int) -> dict:
         "early_stop": t.stopper.state_dict(),
         "rng": rng_states(),
         "train_seconds": float(state.train_seconds),  # --time: what this run has already spent
+        "mosaic_off_from_epoch": t.train_loader.sampler.mosaic_off_from_epoch,  # --time moves it: a resume keeps it
+        "epoch_seconds": [float(s) for s in state.epoch_seconds],  # whole epochs' times, all attempts (--time, ETA)
         "seed": t.opt.seed,
         "world_size": t.info.world_size,
         "hyp": t.hyp.as_dict(),

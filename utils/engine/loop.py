@@ -48,13 +48,14 @@ class LoopState:
     seconds_before: float = 0.0  # wall time earlier attempts of a resumed run spent
 
     @classmethod
-    def start(cls, t: Training, t_start: float) -> LoopState:
-        """A fresh run's state, or a resumed one's (at the saved epoch and batch)."""
+    def start(cls, t: Training, t_start: float, lr_scale: float = 1.0) -> LoopState:
+        """A fresh run's state, or a resumed one's (at the saved epoch and batch, with that epoch's LR scale)."""
         s = t.start
         nb = t.batches_per_epoch
         return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
                    last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
-                   best_fitness=s.best_fitness, t_start=t_start, seconds_before=s.train_seconds)
+                   best_fitness=s.best_fitness, lr_scale=lr_scale if s.batches_done else 1.0, t_start=t_start,
+                   seconds_before=s.train_seconds)
 
     @property
     def train_seconds(self) -> float:
@@ -83,7 +84,9 @@ def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointe
     epoch, first = state.epoch, state.first_batch
     nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
     mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
-    state.first_batch, state.mloss, state.lr_scale = 0, None, 1.0
+    state.first_batch, state.mloss = 0, None
+    if not first:  # a mid-epoch resume keeps the saved epoch's --nan-recover LR scale (LoopState.start)
+        state.lr_scale = 1.0
     bar = ProgressBar(t, state, first, nb)
     for i, batch in fetch_batches(bar.enumerate(t.train_loader, first), watch, epoch, first):
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's

@@ -98,3 +98,29 @@ class NanRecovery:
         if self._saved.scaler:
             self.scaler.load_state_dict(self._saved.scaler)
         return True
+
+    def state_dict(self) -> dict:
+        """What a checkpoint carries, so a resumed run rolls back exactly where the uninterrupted one
+        would: the recoveries used and, when one was taken, the copy from before the last optimizer step."""
+        out: dict = {"used": self.used}
+        if self._saved is not None:
+            out["saved"] = {"tensors": self._saved.tensors, "optimizer": self._saved.optimizer,
+                            "ema_updates": self._saved.ema_updates, "scaler": self._saved.scaler}
+        return out
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take a checkpoint's ``state_dict()`` (None: a run saved without --nan-recover; nothing to take)."""
+        if not state:
+            return
+        self.used = int(state.get("used", 0))
+        saved = state.get("saved")
+        if not self.enabled or saved is None:
+            return
+        live = self._live()
+        if len(saved["tensors"]) != len(live) or any(a.shape != b.shape for a, b in zip(saved["tensors"], live)):
+            raise ValueError("--nan-recover: the checkpoint's rollback copy does not fit this model")
+        params = self._params()
+        self._saved = _Saved([v.to(t.device, t.dtype) for v, t in zip(saved["tensors"], live)],
+                             {int(i): {k: v.to(params[int(i)].device) if torch.is_tensor(v) and v.dim() else v
+                                       for k, v in st.items()} for i, st in saved["optimizer"].items()},
+                             int(saved["ema_updates"]), dict(saved["scaler"]))
