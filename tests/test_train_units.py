@@ -68,6 +68,15 @@ def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     assert at_limit.name == "AdamW"
     named = choose_optimizer("AdamW", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
     assert (named.name, named.lr, named.momentum, named.warmup_bias_lr) == ("AdamW", 0.02, 0.95, 0.2)
+    # only the short-run AdamW steps every 16 images; the SGD recipes and named optimizers accumulate to 64
+    assert short.nominal_batch == 16 and "a step every 16 images" in short.reason
+    assert yolov5.nominal_batch == long.nominal_batch == named.nominal_batch == 64
+
+
+def test_accumulation_follows_the_chosen_step_size():
+    from utils.engine.optim import accumulate_steps
+    assert [accumulate_steps(b) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
+    assert [accumulate_steps(b, 16) for b in (1, 4, 8, 16, 64)] == [16, 4, 2, 1, 1]
 
 
 def test_a_resume_keeps_the_runs_optimizer_choice():
@@ -78,6 +87,8 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
     from utils.engine.setup import resume_choice
     choice = choose_optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10, anchored=False)
     assert resume_choice({"optimizer_choice": asdict(choice)}) == choice
+    saved_before = {k: v for k, v in asdict(choice).items() if k != "nominal_batch"}  # runs before the short-run step
+    assert resume_choice({"optimizer_choice": saved_before}).nominal_batch == 64  # ... keep accumulating to 64
     assert resume_choice({"epoch": 3}) is None and resume_choice(None) is None
 
 

@@ -118,10 +118,10 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     train_loader, val_loader = build_loaders(opt, info, data, hyp, imgsz, grid, batch, save_dir)
     if not ckpt and not opt.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, opt.seed, info, force=na is not None)
-    accumulate = accumulate_steps(opt.batch_size)
-    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH
     choice = resume_choice(ckpt) or choose_optimizer(opt.optimizer, hyp, len(names), len(train_loader.dataset),
                                                      opt.batch_size, opt.epochs, anchored)
+    accumulate = accumulate_steps(opt.batch_size, choice.nominal_batch)
+    decay = hyp.weight_decay * opt.batch_size * accumulate / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay)
     lf = lr_lambda(opt.epochs, hyp.lrf, opt.cos_lr)
     ema = ModelEMA(model)

@@ -8,7 +8,6 @@ from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
 from utils.engine.checkpoint import load_checkpoint
-from utils.engine.optim import NOMINAL_BATCH
 from utils.engine.setup import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, Training
 
 
@@ -20,7 +19,8 @@ def log_start_summary(t: Training) -> None:
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
              colorstr("Devices: ") + kind,
              colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
-             f"accumulate {t.accumulate} (nominal {NOMINAL_BATCH}); {t.batches_per_epoch} batches per epoch per rank",
+             f"accumulate {t.accumulate} (a step per {t.optimizer_choice.nominal_batch} images); "
+             f"{t.batches_per_epoch} batches per epoch per rank",
              colorstr("Data: ") + str(t.data.file)]
     for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
         c = loader.dataset.counts
