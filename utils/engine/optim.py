@@ -86,10 +86,12 @@ def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, mome
                 groups[0].append(p)
             else:
                 groups[1].append(p)
+    # Adam(W)'s fused kernel does the whole step in one pass per tensor: several times faster on CPU than the
+    # per-tensor loop, which counts once a short run steps every batch
     if name == "Adam":
-        opt = torch.optim.Adam(groups[2], lr=lr, betas=(momentum, 0.999))
+        opt = torch.optim.Adam(groups[2], lr=lr, betas=(momentum, 0.999), fused=True)
     elif name == "AdamW":
-        opt = torch.optim.AdamW(groups[2], lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+        opt = torch.optim.AdamW(groups[2], lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=True)
     elif name == "SGD":
         opt = torch.optim.SGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
     else:
@@ -149,9 +151,10 @@ class ModelEMA:
         self.updates += 1
         d = self.decay_fn(self.updates)
         msd = _unwrap(model).state_dict()
-        for k, v in self.ema.state_dict().items():
-            if v.dtype.is_floating_point:
-                v.mul_(d).add_(msd[k].detach(), alpha=1 - d)
+        pairs = [(v, msd[k].detach()) for k, v in self.ema.state_dict().items() if v.dtype.is_floating_point]
+        averaged, current = [v for v, _ in pairs], [m for _, m in pairs]
+        torch._foreach_mul_(averaged, d)  # v = v * d + m * (1 - d), each tensor as before, in two launches
+        torch._foreach_add_(averaged, current, alpha=1 - d)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
