@@ -29,7 +29,8 @@ thread on 2 cores, so the shim sets its NUM_THREADS before select_device applies
 after every epoch at 2 x batch (Ultralytics' training val batch), no plots. Left at each tool's own
 defaults for this family, and printed: hyperparameters (ours picks hyps/hyp.v8.yaml, Ultralytics'
 default.yaml values; no --hyp), close_mosaic, NMS IoU of the final val (ours 0.6, Ultralytics 0.7),
-and the optimizer (both default to auto: AdamW with an lr from the class count on short runs). Loader workers: Ultralytics forces 0 on CPU whatever it is given,
+and the optimizer (both default to auto: AdamW with an lr from the class count on short runs; Ultralytics
+accumulates to 64 images per step, ours steps every 16 on such runs). Loader workers: Ultralytics forces 0 on CPU whatever it is given,
 so --workers defaults to 0 and ours gets the same number, both loading in the training process
 (pass --workers 2 to see ours with loader processes); the table shows what each actually used.
 
