@@ -49,10 +49,10 @@ ULTRALYTICS_AF: dict[str, Reference] = {
     "yolo11n": Reference(2.624080, 6.67, False),
     "yolo11s": Reference(9.458752, 21.84, False),
     "yolo11m": Reference(20.114688, 68.64, False),
-    "yolo11l": Reference(None, None, False),
-    "yolo11x": Reference(None, None, False),
+    "yolo11l": Reference(25.372160, 87.85, False),
+    "yolo11x": Reference(56.966176, 196.32, False),
     "yolov5nu": Reference(2.654816, 7.84, False),
-    "yolov5su": Reference(None, None, False),
+    "yolov5su": Reference(9.153152, 24.21, False),
 }
 REFERENCES: dict[str, Reference] = {**PUBLISHED_V5, **ULTRALYTICS_AF}
 

