@@ -209,9 +209,7 @@ def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ck
     end_epoch, clock, budget = EpochEnd(t, checkpointer), SaveClock(opt.save_interval), TimeBudget(opt.time)
     if info.is_main:
         log_start_summary(t)
-    state = LoopState.start(t, t0, lr_scale=float(ckpt.get("lr_scale", 1.0)) if ckpt is not None else 1.0)
-    if ckpt is not None:  # earlier attempts' epoch times: --time's mean and the ETA start from them
-        state.epoch_seconds = [float(s) for s in ckpt.get("epoch_seconds", [])]
+    state = LoopState.start(t, t0)
     early_stop, epoch = False, t.start.epoch
     while epoch < opt.epochs:  # --time may change opt.epochs after each epoch
         state.epoch, t_epoch, first = epoch, time.time(), state.first_batch

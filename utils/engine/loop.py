@@ -48,14 +48,15 @@ class LoopState:
     seconds_before: float = 0.0  # wall time earlier attempts of a resumed run spent
 
     @classmethod
-    def start(cls, t: Training, t_start: float, lr_scale: float = 1.0) -> LoopState:
-        """A fresh run's state, or a resumed one's (at the saved epoch and batch, with that epoch's LR scale)."""
+    def start(cls, t: Training, t_start: float) -> LoopState:
+        """A fresh run's state, or a resumed one's (at the saved epoch and batch, with that epoch's LR scale
+        and the earlier attempts' epoch times)."""
         s = t.start
         nb = t.batches_per_epoch
         return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
                    last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
-                   best_fitness=s.best_fitness, lr_scale=lr_scale if s.batches_done else 1.0, t_start=t_start,
-                   seconds_before=s.train_seconds)
+                   best_fitness=s.best_fitness, epoch_seconds=list(s.epoch_seconds), lr_scale=s.lr_scale,
+                   t_start=t_start, seconds_before=s.train_seconds)
 
     @property
     def train_seconds(self) -> float:

@@ -50,6 +50,8 @@ class Start:
     mloss: torch.Tensor | None = None  # that checkpoint's running mean loss
     resumed: bool = False
     train_seconds: float = 0.0  # wall time the run had spent when it was saved (--time)
+    epoch_seconds: tuple[float, ...] = ()  # whole epochs' wall times over its attempts (--time's mean, the ETA)
+    lr_scale: float = 1.0  # a mid-epoch checkpoint's --nan-recover LR scale for the rest of that epoch
 
 
 @dataclass
@@ -243,7 +245,9 @@ def restore_state(ckpt: dict, optimizer, ema: ModelEMA, scaler, stopper: EarlySt
     batches = int(ckpt.get("batches_done", 0))
     mloss = torch.tensor(ckpt["mloss"], device=device) if batches else None
     return Start(ckpt["epoch"] + 1, batches, ckpt["best_fitness"], mloss, resumed=True,
-                 train_seconds=float(ckpt.get("train_seconds", 0.0)))
+                 train_seconds=float(ckpt.get("train_seconds", 0.0)),
+                 epoch_seconds=tuple(float(s) for s in ckpt.get("epoch_seconds", ())),
+                 lr_scale=float(ckpt.get("lr_scale", 1.0)) if batches else 1.0)
 
 
 def wrap_model(model: nn.Module, opt: argparse.Namespace, info: DistInfo, device: torch.device) -> nn.Module:
