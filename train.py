@@ -4,17 +4,17 @@
     python train.py                                   # built-in shapes dataset, CPU friendly
     torchrun --nproc_per_node 4 train.py --data my.yaml --cfg models/yolov5s.yaml --batch-size 64
 
-The story, top to bottom: arguments -> devices and process group -> everything the run trains
-with (utils/engine/setup.py: run folder, data, model, loaders, anchors, optimizer, DDP) -> epochs
-of train_one_epoch (utils/engine/loop.py) and a validation on every rank (utils/eval/evaluate.py)
--> the epoch's results row and checkpoints from rank 0 (utils/engine/hooks.py) -> the end summary.
+The story, top to bottom: arguments -> the resumed run's arguments merged (utils/engine/config.py) ->
+devices and process group -> the frozen run config -> everything the run trains with, its state
+resumed (utils/engine/setup.py, utils/engine/state.py) -> the epochs (utils/engine/loop.py:
+train_one_epoch, a validation on every rank, the results row and checkpoints from rank 0 through
+utils/engine/hooks.py) -> one stop reason, acted on here: finish with the end summary, or exit.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -22,27 +22,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from utils.core import dist
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range
 from utils.core.cpu import tune_malloc
-from utils.core.errors import EXIT_PREEMPTED, Preempted, UserError, run_entry_point
+from utils.core.errors import Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER, setup_logging
-from utils.core.runs import latest_checkpoint
+from utils.core.logging import setup_logging
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
-from utils.engine.checkpoint import load_checkpoint, to_plain
-from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock, TimeBudget
-from utils.engine.loop import LoopState, train_one_epoch
+from utils.engine.config import RunConfig, resolve_config, resolve_resume
+from utils.engine.hooks import build_hooks
+from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
-from utils.engine.recover import NanRecovery
-from utils.engine.setup import Training, build_training
+from utils.engine.setup import build_training
+from utils.engine.state import SavedRun, StopReason
 from utils.engine.summary import log_end_summary, log_start_summary
-from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
-
-
-# Arguments that may differ on --resume without changing what the run computes (or, for
-# epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
-RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
-                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads"}
-RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,142 +114,42 @@ def main(opt: argparse.Namespace) -> None:
     stop = StopRequest().install()  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
-    ckpt = resolve_resume(opt) if opt.resume else None
-    device = dist.select_device(opt.device, opt.batch_size, info)
-    opt.channels_last = dist.channels_last_default(opt.channels_last, device)  # resolved: saved with the run
-    opt.amp = dist.amp_default(opt.amp, device, legacy=ckpt is not None and "amp" not in ckpt["args"])
+    resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
+    device = dist.select_device(resume.args["device"], resume.args["batch_size"], info)
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
+    with Watchdog(info.rank, resume.args["hang_timeout"] * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):
             # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
             dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
         try:
-            train(opt, info, device, ckpt, stop, watch)
+            cfg = resolve_config(resume, device)  # frozen from here: precision, layout, hyp file, run folder
+            train(cfg, info, device, resume.saved, stop, watch)
         finally:
             dist.cleanup_distributed()
 
 
-def resolve_resume(opt: argparse.Namespace) -> dict | None:
-    """Find the checkpoint to continue and restore the run's saved arguments into opt.
-
-    Arguments given now that differ from the saved run are listed; harmless ones apply, ones that
-    would change the training math need --allow-changes. ``--resume auto`` starts the run
-    (in its fixed folder) when it has no last.pt yet, so a restarted job picks up its own.
-    """
-    if opt.resume == "auto":
-        path = Path(opt.project) / opt.name / "weights" / "last.pt"
-        if not path.is_file():
-            LOGGER.info(f"--resume auto: no {path} yet; starting the run")
-            opt.resume, opt.exist_ok = False, True
-            return None
-    else:
-        path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
-    if path is None:
-        raise UserError(f"--resume: no last.pt found under {opt.project}")
-    ckpt = load_checkpoint(path)
-    if "converted_from" in ckpt:
-        raise UserError(f"{path}: a converted YOLOv5/Ultralytics checkpoint has no training state to resume; "
-                        f"fine-tune from it with --weights {path}")
-    if "optimizer" not in ckpt:
-        raise UserError(f"{path}: this run finished (its optimizer state was stripped); nothing to resume")
-    saved, defaults = ckpt["args"], vars(build_parser().parse_args([]))
-    changed = {k: v for k, v in vars(opt).items()
-               if k not in RESUME_BOOKKEEPING and k in saved and v != defaults.get(k) and not _same_arg(v, saved[k])}
-    math = sorted(k for k in changed if k not in RESUME_HARMLESS)
-    if math and not opt.allow_changes:
-        listed = ", ".join(f"--{k.replace('_', '-')} {changed[k]} (run has {saved[k]})" for k in math)
-        raise UserError(f"{path}: resuming with {listed} would change the training math; "
-                        "drop them, or pass --allow-changes to continue with them")
-    if "epochs" in changed and (opt.time or saved.get("time")):  # --epochs only planned a --time run's first epoch
-        LOGGER.info(f"--time: --epochs {changed.pop('epochs')} ignored; the run's refitted count, {saved['epochs']}, "
-                    "stands")
-    if changed.get("epochs") is not None and changed["epochs"] <= ckpt["epoch"] + 1:
-        raise UserError(f"{path}: --epochs {changed['epochs']} but {ckpt['epoch'] + 1} epochs are already done")
-    if changed:
-        LOGGER.info("Resuming with changed arguments: " + ", ".join(
-            f"{k}: {saved[k]} -> {v}" for k, v in sorted(changed.items())))
-    vars(opt).update(saved)
-    vars(opt).update(changed, local_rank=opt.local_rank, resume=str(path), save_dir=str(Path(path).parent.parent))
-    part = f", batch {ckpt['batches_done'] + 1}" if ckpt.get("batches_done") else ""
-    LOGGER.info(f"Resuming {path} from epoch {ckpt['epoch'] + 2}{part} of {opt.epochs}")
-    return ckpt
-
-
-def _same_arg(given, saved) -> bool:
-    """Compare a CLI value with its saved form (paths resolved, tuples as lists)."""
-    given = to_plain(given)
-    if isinstance(given, str) and isinstance(saved, str) and (Path(given).exists() or Path(saved).exists()):
-        return Path(given).resolve() == Path(saved).resolve()
-    return given == saved
-
-
-def train(opt: argparse.Namespace, info: dist.DistInfo, device: torch.device, ckpt: dict | None,
-          stop: StopRequest, watch: Watchdog) -> None:
-    t0 = time.time()
+def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: SavedRun | None, stop: StopRequest,
+          watch: Watchdog) -> None:
+    """Build the run, train its epochs, then act on why they ended: finish, or exit for a requeue or a NaN."""
+    started = time.time()
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
-        t = build_training(opt, info, device, ckpt)  # run folder, data, model, loaders, anchors, optimizer, DDP
-        plots = RunPlots(t.save_dir, t.names, enabled=info.is_main and not opt.noplots)
-        plots.labels(t.train_loader.dataset)
-    recovery = NanRecovery(opt.nan_recover, t.model, t.ema, t.optimizer, t.scaler)
-    if ckpt is not None:
-        recovery.load_state_dict(ckpt.get("nan_recovery"))  # the count and the rollback copy of the saved run
-        if opt.time and "mosaic_off_from_epoch" in ckpt:  # where --time had moved close_mosaic
-            t.train_loader.sampler.mosaic_off_from_epoch = ckpt["mosaic_off_from_epoch"]
-    checkpointer = Checkpointer(t.weights_dir, info, opt.save_period, recovery)
-    end_epoch, clock, budget = EpochEnd(t, checkpointer), SaveClock(opt.save_interval), TimeBudget(opt.time)
+        t = build_training(cfg, info, device, saved, started)  # data, model, loaders, anchors, optimizer, state, DDP
+        hooks = build_hooks(t)  # checkpoints, pictures, the epoch's end, --save-interval's clock
+        hooks.plots.labels(t.train_loader.dataset)
     if info.is_main:
         log_start_summary(t)
-    state = LoopState.start(t, t0)
-    early_stop, epoch = False, t.start.epoch
-    while epoch < opt.epochs:  # --time may change opt.epochs after each epoch
-        state.epoch, t_epoch, first = epoch, time.time(), state.first_batch
-        t.train_loader.sampler.set_epoch(epoch, skip=first * t.batch)
-        if epoch == t.train_loader.sampler.mosaic_off_from_epoch:
-            LOGGER.info(f"Closing mosaic: the last {opt.epochs - epoch} epochs train without it")
-        mloss = train_one_epoch(t, state, clock, checkpointer, plots, stop, recovery, watch)  # phases loader, step, save
-        if state.preempted_at is not None:
-            break
-        lrs = [g["lr"] for g in t.optimizer.param_groups]
-        t.scheduler.step()
-        with watch.phase("validation", f"epoch {epoch + 1}"):  # each batch is progress
-            result = validate(t, epoch)
-            seconds = None if first else time.time() - t_epoch  # a resumed part of an epoch is no epoch's time
-            budget.refit(t, state, seconds)  # --time: the epochs that fit, before the checkpoint
-            if seconds is not None:
-                state.epoch_seconds.append(seconds)  # before the checkpoint, which carries them to a resume
-            if result is None and epoch + 1 == opt.epochs:  # --noval, and --time just made this epoch the last
-                result = validate(t, epoch)
-        with watch.phase("save", f"epoch {epoch + 1}"):
-            early_stop = end_epoch(state, mloss, lrs, result)  # results.csv row, early stop, last/best.pt
-            if result is not None and epoch + 1 == opt.epochs:
-                plots.validation(result)
-        clock.restart()
-        if early_stop or state.stopping:
-            break
-        epoch += 1
+    end = run_epochs(t, hooks, stop, watch)  # phases loader, step, validation, save
     with watch.phase("finish"):
         release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
-    if state.preempted_at is not None or (state.stopping and not early_stop and state.epoch + 1 < opt.epochs):
-        where = (f"epoch {state.epoch + 1}, batch {state.preempted_at}/{t.batches_per_epoch}"
-                 if state.preempted_at is not None else f"the end of epoch {state.epoch + 1}")
-        raise Preempted(f"{stop.signal or 'a stop signal on another rank'}: saved {checkpointer.last} at {where}; "
-                        f"exiting with code {EXIT_PREEMPTED} (requeue); the same command with --resume auto, or "
-                        f"--resume {checkpointer.last}, continues exactly")
-    checkpointer.finish(strip=not opt.keep_optimizer)
+    if end.reason is StopReason.NAN_BUDGET:
+        raise UserError(end.message)
+    if end.reason is StopReason.PREEMPTED:
+        raise Preempted(end.message)
+    hooks.checkpointer.finish(strip=not cfg.keep_optimizer)
     if info.is_main:
-        plots.results()
-        log_end_summary(t, state.epoch - t.start.epoch + 1, time.time() - state.t_start)
-
-
-def validate(t: Training, epoch: int) -> EvalResult | None:
-    """The EMA model on the val split, on every rank; --noval validates only the final epoch."""
-    final = epoch + 1 == t.opt.epochs
-    if t.opt.noval and not final:
-        return None
-    options = EvalOptions(channels_last=t.opt.channels_last, half=t.val_half,
-                          keep_batches=3 if final and not t.opt.noplots else 0)
-    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
+        hooks.plots.results()
+        log_end_summary(t, end.epochs, time.time() - started)
 
 
 @record

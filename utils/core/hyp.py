@@ -15,9 +15,9 @@ from utils.core.fileio import load_yaml
 from utils.core.logging import LOGGER
 
 
-@dataclass
+@dataclass(frozen=True)
 class Hyp:
-    """Training hyperparameters (YOLOv5 hyp.scratch-low defaults). Read-only once training starts."""
+    """Training hyperparameters (YOLOv5 hyp.scratch-low defaults); frozen: a run reads them, never changes them."""
 
     lr0: float = 0.01  # initial learning rate
     lrf: float = 0.01  # final learning rate = lr0 * lrf

@@ -62,7 +62,7 @@ class TrainSampler(Sampler):
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.shuffle, self.drop_last, self.epoch, self.skip = shuffle, drop_last, 0, 0
-        self.mosaic_off_from_epoch: int | None = None  # close_mosaic: no mosaic from this epoch on (setup.py)
+        self.mosaic_off_from_epoch: int | None = None  # close_mosaic: no mosaic from this epoch on
         self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
         self.total_size = self.num_samples * world_size
 
@@ -71,6 +71,16 @@ class TrainSampler(Sampler):
         if not 0 <= skip <= self.num_samples:
             raise ValueError(f"skip {skip} outside 0..{self.num_samples}")
         self.epoch, self.skip = int(epoch), int(skip)
+
+    def close_mosaic_from(self, epoch: int) -> None:
+        """close_mosaic: train without mosaic from ``epoch`` on (the build sets it; --time moves it)."""
+        self.mosaic_off_from_epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, int | None]:
+        return {"mosaic_off_from_epoch": self.mosaic_off_from_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mosaic_off_from_epoch = state["mosaic_off_from_epoch"]
 
     def global_indices(self) -> list[int]:
         """This epoch's padded (or truncated) order across all ranks."""

@@ -1,15 +1,16 @@
-"""The training loop's inner part: one epoch of steps on this rank's shard.
+"""The training loop: the run's epochs (``run_epochs``), and one epoch of steps on this rank's shard.
 
 ``train_one_epoch`` reads like YOLOv5's loop: warmup, forward, loss, backward, an optimizer step
-every ``accumulate`` batches (and always on an epoch's last batch), EMA. What changes from step to
-step lives in ``LoopState``; what stays fixed for the run lives in ``Training`` (utils/engine/setup.py).
+every ``accumulate`` batches (and always on an epoch's last batch), EMA. Where the run stands lives
+in the run state (``t.state``, utils/engine/state.py); what one step hands the next in this process
+in ``LoopState``; what stays fixed for the run in ``Training`` (utils/engine/setup.py).
 """
 from __future__ import annotations
 
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, TypeVar
 
 import numpy as np
@@ -17,13 +18,14 @@ import torch
 from tqdm import tqdm
 
 from utils.core import dist
-from utils.core.errors import UserError
+from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
-from utils.engine.hooks import Checkpointer, RunPlots, SaveClock
+from utils.engine.hooks import Hooks
 from utils.engine.preempt import StopRequest
-from utils.engine.recover import NanRecovery
 from utils.engine.setup import Training
+from utils.engine.state import Stop, StopReason
+from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
 
 T = TypeVar("T")
 _END = object()  # fetch_batches: the loader is exhausted
@@ -31,37 +33,24 @@ _END = object()  # fetch_batches: the loader is exhausted
 
 @dataclass
 class LoopState:
-    """What one step hands to the next, and one epoch to the next (checkpointed as needed)."""
+    """What one step hands to the next within this process (derived afresh on a resume, never saved)."""
 
-    epoch: int  # the epoch being trained (0-based)
-    first_batch: int = 0  # a run resumed from a mid-epoch checkpoint starts its first epoch here
-    mloss: torch.Tensor | None = None  # ... with the running mean loss saved with it
-    last_opt_step: int = -1  # integrated batch index of the last optimizer step
-    accumulate: int = 1  # batches per optimizer step (ramped up during warmup)
-    best_fitness: float = 0.0
-    metrics: object | None = None  # DetectionMetrics of the last validation
-    epoch_seconds: list[float] = field(default_factory=list)  # finished epochs' wall times, for the ETA
+    last_opt_step: int  # integrated batch index of the last optimizer step
+    accumulate: int  # batches per optimizer step (ramped up during warmup)
     stopping: bool = False  # every rank agreed on a stop signal: leave at the next optimizer step
-    preempted_at: int | None = None  # batches done in state.epoch when the stop saved mid-epoch
-    lr_scale: float = 1.0  # --nan-recover halves the LR for the rest of an epoch
-    t_start: float = field(default_factory=time.time)  # when this process started training (set-up included)
-    seconds_before: float = 0.0  # wall time earlier attempts of a resumed run spent
 
     @classmethod
-    def start(cls, t: Training, t_start: float) -> LoopState:
-        """A fresh run's state, or a resumed one's (at the saved epoch and batch, with that epoch's LR scale
-        and the earlier attempts' epoch times)."""
-        s = t.start
-        nb = t.batches_per_epoch
-        return cls(epoch=s.epoch, first_batch=s.batches_done, mloss=s.mloss,
-                   last_opt_step=s.epoch * nb + s.batches_done - 1, accumulate=t.accumulate,
-                   best_fitness=s.best_fitness, epoch_seconds=list(s.epoch_seconds), lr_scale=s.lr_scale,
-                   t_start=t_start, seconds_before=s.train_seconds)
+    def start(cls, t: Training) -> LoopState:
+        s = t.state
+        return cls(last_opt_step=s.epoch * t.batches_per_epoch + s.batch - 1, accumulate=t.accumulate)
 
-    @property
-    def train_seconds(self) -> float:
-        """Wall time of the whole run so far, over all its attempts (--time's budget)."""
-        return self.seconds_before + time.time() - self.t_start
+
+@dataclass(frozen=True)
+class EpochEnded:
+    """What train_one_epoch hands back: the mean loss items over ranks, and a stop when it ended the epoch early."""
+
+    mloss: torch.Tensor
+    stop: Stop | None = None
 
 
 @dataclass(frozen=True)
@@ -73,64 +62,133 @@ class StepFlags:
     bad_ranks: tuple[int, ...] = ()  # ranks whose loss was NaN/inf at this step
 
 
-def train_one_epoch(t: Training, state: LoopState, clock: SaveClock, checkpointer: Checkpointer,
-                    plots: RunPlots, stop: StopRequest, recovery: NanRecovery, watch: Watchdog) -> torch.Tensor:
-    """One pass over this rank's shard; returns the mean loss items averaged over ranks.
+def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> Stop:
+    """The run's epochs from where its state stands: train, validate on every rank, record and save;
+    returns why it stopped. ``watch`` hears of each phase (loader, step, validation, save)."""
+    state, loop, close = t.state, LoopState.start(t), int(t.hyp.close_mosaic)
+    first_epoch, early = state.epoch, False
+    while state.epoch < state.epochs:  # --time may change state.epochs after each epoch
+        t_epoch, first = time.time(), state.batch
+        t.train_loader.sampler.set_epoch(state.epoch, skip=first * t.batch)
+        if state.epoch == t.train_loader.sampler.mosaic_off_from_epoch:
+            LOGGER.info(f"Closing mosaic: the last {state.epochs - state.epoch} epochs train without it")
+        ended = train_one_epoch(t, loop, hooks, stop, watch)
+        if ended.stop is not None:
+            return ended.stop
+        lrs = t.lr.values()
+        t.lr.next_epoch()
+        with watch.phase("validation", f"epoch {state.epoch + 1}"):  # each batch is progress
+            result = validate(t)
+            seconds = None if first else time.time() - t_epoch  # a resumed part of an epoch is no epoch's time
+            fits = state.clock.end_epoch(state.epoch + 1, state.epochs, seconds, t.info, close)  # --time
+            if fits is not None:
+                state.replan(fits, close)  # before the checkpoint
+            if result is None and state.epoch + 1 == state.epochs:  # --noval, and --time just made this the last
+                result = validate(t)
+        with watch.phase("save", f"epoch {state.epoch + 1}"):
+            early = hooks.end_epoch(ended.mloss, lrs, result)  # results.csv row, early stop, last/best.pt
+            if result is not None and state.epoch + 1 == state.epochs:
+                hooks.plots.validation(result)
+        hooks.clock.restart()
+        if early or loop.stopping or state.epoch + 1 >= state.epochs:
+            break
+        state.epoch, state.batch = state.epoch + 1, 0
+    return _stop_after_epoch(t, loop, stop, hooks, early, state.epoch - first_epoch + 1)
 
-    A stop signal agreed at a step (``state.stopping``) ends the epoch at the next optimizer step (at
-    most ``accumulate`` batches later) with a mid-epoch last.pt and ``state.preempted_at`` set; when
-    that step is the epoch's last, the epoch ends as usual and train() stops after its checkpoint.
-    ``watch`` hears of each batch: fetched in phase "loader", trained in "step", saved in "save"."""
+
+def _stop_after_epoch(t: Training, loop: LoopState, stop: StopRequest, hooks: Hooks, early: bool, epochs: int) -> Stop:
+    state = t.state
+    if loop.stopping and not early and state.epoch + 1 < state.epochs:
+        return Stop(StopReason.PREEMPTED, _preempted(stop, hooks, f"the end of epoch {state.epoch + 1}"), epochs)
+    if early:
+        return Stop(StopReason.EARLY_STOP, epochs=epochs)
+    return Stop(StopReason.TIME_BUDGET if state.clock.enabled else StopReason.FINISHED, epochs=epochs)
+
+
+def _preempted(stop: StopRequest, hooks: Hooks, where: str) -> str:
+    last = hooks.checkpointer.last
+    return (f"{stop.signal or 'a stop signal on another rank'}: saved {last} at {where}; exiting with code "
+            f"{EXIT_PREEMPTED} (requeue); the same command with --resume auto, or --resume {last}, continues exactly")
+
+
+def validate(t: Training) -> EvalResult | None:
+    """The EMA model on the val split, on every rank; --noval validates only the final epoch."""
+    final = t.state.epoch + 1 == t.state.epochs
+    if t.cfg.noval and not final:
+        return None
+    options = EvalOptions(channels_last=t.cfg.channels_last, half=t.val_half,
+                          keep_batches=3 if final and not t.cfg.noplots else 0)
+    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
+
+
+def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> EpochEnded:
+    """One pass over this rank's shard, from ``t.state.batch`` (a resumed mid-epoch checkpoint's) on.
+
+    A stop signal agreed at a step (``loop.stopping``) ends the epoch at the next optimizer step (at
+    most ``accumulate`` batches later) with a mid-epoch last.pt and a PREEMPTED stop; when that step is
+    the epoch's last, the epoch ends as usual and run_epochs stops after its checkpoint. A non-finite
+    loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop. ``watch`` hears of each
+    batch: fetched in phase "loader", trained in "step", saved in "save"."""
     t.model.train()
-    epoch, first = state.epoch, state.first_batch
-    nb = t.batches_per_epoch  # first + what the (possibly skipping) loader yields
-    mloss = state.mloss if state.mloss is not None else torch.zeros(len(t.criterion.loss_names), device=t.device)
-    state.first_batch, state.mloss = 0, None
-    if not first:  # a mid-epoch resume keeps the saved epoch's --nan-recover LR scale (LoopState.start)
-        state.lr_scale = 1.0
-    bar = ProgressBar(t, state, first, nb)
+    state, nb = t.state, t.batches_per_epoch
+    epoch, first = state.epoch, state.batch
+    mloss = state.mloss if first else torch.zeros(len(t.criterion.loss_names), device=t.device)
+    bar = ProgressBar(t, first, nb)
     for i, batch in fetch_batches(bar.enumerate(t.train_loader, first), watch, epoch, first):
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
+            state.batch = i + 1
             ni = i + nb * epoch  # integrated batch count since the start of training
-            imgs = prepare_images(t, batch)
-            if t.opt.multi_scale:
-                imgs = rescale_batch(imgs, t.imgsz, t.grid, t.opt.seed, epoch=epoch, i=i)
-            t.warmup.apply(t.optimizer, ni, t.lr_lambda, epoch)
-            if ni <= t.warmup.iters:
-                state.accumulate = max(1, round(float(np.interp(ni, [0, t.warmup.iters], [1, t.accumulate]))))
-                scale_lr(t.optimizer, state.lr_scale)  # warmup set the LR afresh
-            plots.train_batch(batch, ni)
-            with t.autocast():
-                pred = t.model(imgs)
-                loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
-            flags = check_step(loss_items, t.info, clock.due(t.info), stop.requested)
-            clock.pending |= flags.save_due
-            state.stopping |= flags.stop
+            imgs, loss, loss_items = forward(t, loop, hooks, batch, epoch, i, ni)
+            flags = check_step(loss_items, t.info, hooks.clock.due(t.info), stop.requested)
+            hooks.clock.pending |= flags.save_due
+            loop.stopping |= flags.stop
             if flags.bad_ranks:  # every rank agreed: stop the run, or (--nan-recover) roll back and skip the batch
-                skip_bad_batch(t, state, recovery, flags.bad_ranks, loss_items, i)
-                state.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
+                spent = skip_bad_batch(t, flags.bad_ranks, loss_items, i)
+                if spent:
+                    bar.close()
+                    return EpochEnded(mloss.cpu(), Stop(StopReason.NAN_BUDGET, spent))
+                loop.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
                 continue
             mloss = (mloss * i + loss_items) / (i + 1)
             backward(t, loss)
             # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
             # gradients, so a resumed run continues exactly where the interrupted one would have.
-            if ni - state.last_opt_step >= state.accumulate or i == nb - 1:
-                recovery.remember()  # every batch since the last step had a finite loss on this state
+            if ni - loop.last_opt_step >= loop.accumulate or i == nb - 1:
+                state.recovery.remember()  # every batch since the last step had a finite loss on this state
                 optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
-                state.last_opt_step = ni
-                if state.stopping and i < nb - 1:
-                    with watch.phase("save"):
-                        mean = dist.reduce_mean(mloss)
-                        checkpointer.save_mid_epoch(t, state, i + 1, mean)
-                    state.preempted_at = i + 1
-                    bar.close()
-                    return mean.cpu()
-                if clock.pending and i < nb - 1:  # the epoch's end saves anyway
-                    clock.restart()
-                    with watch.phase("save"):
-                        checkpointer.save_mid_epoch(t, state, i + 1, dist.reduce_mean(mloss))
+                loop.last_opt_step = ni
+                if (loop.stopping or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
+                    save_mid_epoch(t, loop, hooks, mloss, watch)
+                    if loop.stopping:
+                        bar.close()
+                        where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
+                        return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
             bar.update(i, mloss, batch, imgs)
-    return dist.reduce_mean(mloss).cpu()
+    return EpochEnded(dist.reduce_mean(mloss).cpu())
+
+
+def forward(t: Training, loop: LoopState, hooks: Hooks, batch, epoch: int, i: int, ni: int):
+    """Images to the device, the warmup's LR and accumulation for batch ``ni``, then forward and loss under autocast."""
+    imgs = prepare_images(t, batch)
+    if t.cfg.multi_scale:
+        imgs = rescale_batch(imgs, t.imgsz, t.grid, t.cfg.seed, epoch=epoch, i=i)
+    t.lr.warmup_step(ni, epoch)
+    if ni <= t.lr.warmup.iters:
+        loop.accumulate = max(1, round(float(np.interp(ni, [0, t.lr.warmup.iters], [1, t.accumulate]))))
+    hooks.plots.train_batch(batch, ni)
+    with t.autocast():
+        pred = t.model(imgs)
+        loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
+    return imgs, loss, loss_items
+
+
+def save_mid_epoch(t: Training, loop: LoopState, hooks: Hooks, mloss: torch.Tensor, watch: Watchdog) -> None:
+    """last.pt inside an epoch, with the mean loss over ranks so far (a stop signal, or --save-interval)."""
+    if not loop.stopping:
+        hooks.clock.restart()
+    with watch.phase("save"):
+        t.state.mloss = dist.reduce_mean(mloss)
+        hooks.checkpointer.save_mid_epoch(t)
 
 
 def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int) -> Iterator[T]:
@@ -185,33 +243,26 @@ def check_step(loss_items: torch.Tensor, info: dist.DistInfo, save_due: bool, st
     return StepFlags(save_due=bool(flags[world]), stop=bool(flags[world + 1]), bad_ranks=bad)
 
 
-def skip_bad_batch(t: Training, state: LoopState, recovery: NanRecovery, bad_ranks: tuple[int, ...],
-                   loss_items: torch.Tensor, i: int) -> None:
-    """A non-finite loss on some rank, agreed by all: a UserError that stops every rank together
-    (the default, and once --nan-recover's recoveries are spent), or a rollback to the state before
-    the last optimizer step with this batch skipped and the LR halved for the rest of the epoch."""
-    names = ", ".join(t.criterion.loss_names)
-    where = (f"epoch {state.epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) "
+def skip_bad_batch(t: Training, bad_ranks: tuple[int, ...], loss_items: torch.Tensor, i: int) -> str | None:
+    """A non-finite loss on some rank, agreed by all: with a --nan-recover recovery left, roll back to the state
+    before the last optimizer step, skip this batch and halve the LR for the rest of the epoch (None); else the
+    message that stops every rank together (the default, and once the recoveries are spent)."""
+    recovery, names = t.state.recovery, ", ".join(t.criterion.loss_names)
+    where = (f"epoch {t.state.epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) "
              f"{', '.join(map(str, bad_ranks))} ({names} = {[round(v, 4) for v in loss_items.tolist()]})")
     if recovery.left <= 0:
         spent = f"; all {recovery.limit} --nan-recover recoveries are used" if recovery.enabled else ""
         hint = "" if recovery.enabled else ", or let --nan-recover N roll back and skip such batches"
-        raise UserError(f"{where}{spent}; checkpoints of earlier epochs are intact. Lower lr0 in the hyp yaml, "
-                        f"or check the labels{hint}.")
+        return (f"{where}{spent}; checkpoints of earlier epochs are intact. Lower lr0 in the hyp yaml, "
+                f"or check the labels{hint}.")
     rolled = recovery.restore()
-    state.lr_scale *= 0.5
-    scale_lr(t.optimizer, 0.5)
+    t.lr.halve()
     if t.info.is_main:
         LOGGER.warning(f"WARNING: {where}; recovery {recovery.used}/{recovery.limit}: "
                        + ("rolled back to the state before the last optimizer step" if rolled
                           else "no optimizer step to undo since this process started")
-                       + f", skipped the batch, LR x{state.lr_scale:g} until the epoch ends")
-
-
-def scale_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
-    if factor != 1:
-        for g in optimizer.param_groups:
-            g["lr"] *= factor
+                       + f", skipped the batch, LR x{t.lr.scale:g} until the epoch ends")
+    return None
 
 
 def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:
@@ -229,24 +280,25 @@ def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int
 class ProgressBar:
     """Rank 0's bar for one epoch: running losses, instances, image size, img/s over all ranks, run ETA."""
 
-    def __init__(self, t: Training, state: LoopState, first: int, nb: int) -> None:
-        self.t, self.state, self.first, self.nb = t, state, first, nb
+    def __init__(self, t: Training, first: int, nb: int) -> None:
+        self.t, self.first, self.nb = t, first, nb
         self.t0 = time.monotonic()
         self.bar: tqdm | None = None
 
     def enumerate(self, loader, first: int):
+        s = self.t.state
         self.bar = tqdm(enumerate(loader, start=first), total=self.nb, initial=first, disable=not self.t.info.is_main,
-                        bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{self.state.epoch + 1}/{self.t.opt.epochs}")
+                        bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{s.epoch + 1}/{s.epochs}")
         return self.bar
 
     def update(self, i: int, mloss: torch.Tensor, batch, imgs: torch.Tensor) -> None:
         if self.bar is None or self.bar.disable:
             return
-        t, state = self.t, self.state
+        t, state = self.t, self.t.state
         seconds = (time.monotonic() - self.t0) / (i + 1 - self.first)  # per batch, this epoch so far
-        done = state.epoch_seconds
+        done = state.clock.epoch_seconds
         per_epoch = sum(done) / len(done) if done else seconds * self.nb  # validation included once known
-        left = seconds * (self.nb - i - 1) + (t.opt.epochs - state.epoch - 1) * per_epoch
+        left = seconds * (self.nb - i - 1) + (state.epochs - state.epoch - 1) * per_epoch
         losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss.tolist()))
         self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
                                  f"{len(batch.images) * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from utils.core.logging import LOGGER
+from utils.engine.checkpoint import fp32_state_dict
 
 NOMINAL_BATCH = 64  # weight decay is expressed per this many images; SGD recipes accumulate to it
 SHORT_RUN_BATCH = 16  # --optimizer auto's short-run AdamW steps once per this many images
@@ -112,24 +113,82 @@ def lr_lambda(epochs: int, lrf: float, cos: bool = False) -> Callable[[float], f
 
 @dataclass(frozen=True)
 class Warmup:
-    """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum."""
+    """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum, over ``iters``
+    batches; applied by LRSchedule."""
 
     iters: int
     bias_lr: float
     momentum0: float
     momentum: float
 
-    def apply(self, optimizer: torch.optim.Optimizer, ni: int, epoch_lr: Callable[[float], float],
-              epoch: int) -> None:
-        if ni > self.iters:
+
+class LRSchedule:
+    """The one writer of every parameter group's learning rate (and of momentum during warmup).
+
+    Four things set the LR, all here: the per-batch warmup ramp, the per-epoch schedule (linear or
+    cosine to lrf), --nan-recover's halving for the rest of an epoch (``scale``) and --time's refit of
+    the schedule to a new epoch count. The base LR of each group is its ``initial_lr``, which a
+    resumed optimizer's state brings back with the group's LR of the epoch it stands at.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: Warmup, epochs: int, lrf: float, cos: bool) -> None:
+        self.optimizer, self.warmup, self.lrf, self.cos = optimizer, warmup, lrf, cos
+        self.fn = lr_lambda(epochs, lrf, cos)
+        self.epoch = 0  # the epoch whose LR the groups hold
+        self.scale = 1.0  # --nan-recover's factor until the epoch ends
+        for g in optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+            g["lr"] = g["initial_lr"] * self.fn(0)
+
+    def values(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def warmup_step(self, ni: int, epoch: int) -> None:
+        """Batch ``ni`` (counted from the run's start) of warmup: ramp LR and momentum, then apply the scale."""
+        if ni > self.warmup.iters:
             return
-        xi = [0, self.iters]
-        for j, g in enumerate(optimizer.param_groups):
+        w, xi = self.warmup, [0, self.warmup.iters]
+        for j, g in enumerate(self.optimizer.param_groups):
             # param group 0 holds the biases (see smart_optimizer), which warm down from bias_lr
-            start = self.bias_lr if j == 0 else 0.0
-            g["lr"] = float(np.interp(ni, xi, [start, g["initial_lr"] * epoch_lr(epoch)]))
+            start = w.bias_lr if j == 0 else 0.0
+            g["lr"] = float(np.interp(ni, xi, [start, g["initial_lr"] * self.fn(epoch)]))
             if "momentum" in g:
-                g["momentum"] = float(np.interp(ni, xi, [self.momentum0, self.momentum]))
+                g["momentum"] = float(np.interp(ni, xi, [w.momentum0, w.momentum]))
+        self._multiply(self.scale)
+
+    def halve(self) -> None:
+        """--nan-recover: half the LR until the epoch ends."""
+        self.scale *= 0.5
+        self._multiply(0.5)
+
+    def next_epoch(self) -> None:
+        """The epoch ended: the schedule's LR of the next one, unscaled."""
+        self.epoch += 1
+        self.scale = 1.0
+        self._set_from_schedule()
+
+    def refit(self, epochs: int) -> None:
+        """--time changed the run's length: the schedule over ``epochs``, and the current epoch's LR from it."""
+        self.fn = lr_lambda(epochs, self.lrf, self.cos)
+        self._set_from_schedule()
+
+    def _set_from_schedule(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * self.fn(self.epoch)
+
+    def _multiply(self, factor: float) -> None:
+        if factor != 1:
+            for g in self.optimizer.param_groups:
+                g["lr"] *= factor
+
+    def state_dict(self) -> dict[str, float]:
+        """The scale only: the groups' LRs travel in the optimizer's state, the epoch in the run state."""
+        return {"lr_scale": float(self.scale)}
+
+    def load_state_dict(self, state: dict, epoch: int) -> None:
+        """Stand at ``epoch`` of a resumed run, its groups' LRs as the optimizer's state brought them."""
+        self.epoch = epoch
+        self.scale = float(state.get("lr_scale", 1.0))
 
 
 class ModelEMA:
@@ -156,6 +215,14 @@ class ModelEMA:
         torch._foreach_mul_(averaged, d)  # v = v * d + m * (1 - d), each tensor as before, in two launches
         torch._foreach_add_(averaged, current, alpha=1 - d)
 
+    def state_dict(self) -> dict:
+        """The averaged weights (fp32, on the CPU) and the update count that sets the next decay."""
+        return {"weights": fp32_state_dict(self.ema), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state["weights"])
+        self.updates = state["updates"]
+
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)) else model
@@ -181,27 +248,5 @@ class EarlyStopping:
     def state_dict(self) -> dict[str, float]:
         return {"best_fitness": float(self.best_fitness), "best_epoch": int(self.best_epoch)}
 
-
-def make_scheduler(optimizer: torch.optim.Optimizer, lf: Callable[[float], float],
-                   start_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Epoch LR schedule, positioned for ``start_epoch``.
-
-    An uninterrupted run enters epoch e with last_epoch == e (the constructor counts as step 0), so
-    a resumed one must too; YOLOv5's ``start_epoch - 1`` gives every resumed epoch after warmup the
-    previous epoch's LR. The optimizer's saved lr already holds epoch e's value.
-    """
-    saved = [g["lr"] for g in optimizer.param_groups]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lf)
-    if start_epoch:
-        scheduler.last_epoch = start_epoch
-        for g, lr in zip(optimizer.param_groups, saved):
-            g["lr"] = lr
-    return scheduler
-
-
-def refit_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lf: Callable[[float], float]) -> None:
-    """Give the schedule a new epoch -> LR rule (--time changed the epoch count) and set the LR of the
-    epoch it stands at from it, as its own step would have."""
-    scheduler.lr_lambdas = [lf] * len(scheduler.optimizer.param_groups)
-    for g, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-        g["lr"] = base * lf(scheduler.last_epoch)
+    def load_state_dict(self, state: dict) -> None:
+        self.best_fitness, self.best_epoch = state["best_fitness"], state["best_epoch"]

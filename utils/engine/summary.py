@@ -7,13 +7,14 @@ from models.yolo import de_parallel
 from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
-from utils.engine.checkpoint import load_checkpoint
-from utils.engine.setup import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, Training
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL
+from utils.engine.setup import Training
+from utils.engine.state import saved_metrics
 
 
 def log_start_summary(t: Training) -> None:
     """One block before the first step: where, on what, with which data, model and settings."""
-    info, opt = t.info, t.opt
+    info, opt = t.info, t.cfg
     kind = (f"CUDA x {info.world_size} rank(s) on {info.world_size // max(info.local_world_size, 1)} node(s)"
             if t.device.type == "cuda" else f"CPU x {info.world_size} rank(s), {torch.get_num_threads()} threads each")
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
@@ -37,12 +38,12 @@ def log_start_summary(t: Training) -> None:
         f"differing from {family.name}: " + ", ".join(f"{k}={v:g} ({d:g})" for k, (v, d) in changed.items())
         if changed else f"the family's defaults ({family.name})"))
     c = t.optimizer_choice
-    lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.warmup.iters} "
+    lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.lr.warmup.iters} "
                  f"iterations (bias lr from {c.warmup_bias_lr:g}); {c.reason}")
-    epoch, batches = t.start.epoch, t.start.batches_done
+    epoch, batches = t.state.epoch, t.state.batch
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
-    plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {opt.epochs} planned until "
-            "the first is timed)" if opt.time else f"{opt.epochs} epochs")
+    plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {t.state.epochs} planned until "
+            "the first is timed)" if opt.time else f"{t.state.epochs} epochs")
     lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else ""))
     LOGGER.info("\n".join(lines))
 
@@ -57,13 +58,13 @@ def log_end_summary(t: Training, epochs_done: int, seconds: float) -> None:
     """Time, the best epoch and its metrics, where the files are, and the val.py command that repeats them."""
     weights = t.weights_dir
     best, last = weights / "best.pt", weights / "last.pt"
-    m = load_checkpoint(best)["metrics"] if best.exists() else {}
+    m = saved_metrics(best)
     scores = (f": P {m['mp']:.3f} R {m['mr']:.3f} mAP50 {m['map50']:.4f} mAP50-95 {m['map']:.4f}" if m else "")
     pictures = sorted(p.name for p in t.save_dir.iterdir() if p.suffix in (".png", ".jpg"))
     LOGGER.info(f"\n{epochs_done} epochs completed in {seconds / 3600:.3f} hours ({seconds:.0f} s); best epoch "
-                f"{t.stopper.best_epoch + 1}{scores}\nCheckpoints: {best}, {last}\n"
+                f"{t.state.stopper.best_epoch + 1}{scores}\nCheckpoints: {best}, {last}\n"
                 f"Results: {t.save_dir / 'results.csv'}"
                 + (f"\nPlots in {t.save_dir}: {', '.join(pictures)}" if pictures else "")
                 + f"\nReproduce the best epoch's metrics with:\n"
                 f"  python val.py --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
-                f"--batch-size {t.opt.val_batch_size}" + (" --half" if t.val_half else ""))
+                f"--batch-size {t.cfg.val_batch_size}" + (" --half" if t.val_half else ""))

@@ -1,0 +1,136 @@
+"""The run configuration: train.py's arguments resolved once, then frozen.
+
+Resolving merges a resumed run's saved arguments with the ones given now, then fills in what
+depends on the machine and the model: the memory format and precision defaults of the device, the
+family's hyperparameter file, and the run folder (chosen by rank 0). After that nothing changes
+the config; what changes during a run (--time's epoch count) lives in the run state.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import FrozenInstanceError, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
+from utils.core import dist
+from utils.core.errors import UserError
+from utils.core.fileio import ROOT
+from utils.core.logging import LOGGER
+from utils.core.runs import increment_path, latest_checkpoint
+from utils.engine.checkpoint import load_checkpoint, to_plain
+from utils.engine.state import SavedRun
+
+DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
+DEFAULT_HYP = ROOT / "hyps" / "hyp.scratch-low.yaml"  # anchor-based heads (YOLOv5)
+DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads: their gains are on another scale
+
+# Arguments that may differ on --resume without changing what the run computes (or, for
+# epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
+RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
+                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads"}
+RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
+
+
+class RunConfig(argparse.Namespace):
+    """Every train.py argument, resolved; read-only (setting an attribute raises FrozenInstanceError)."""
+
+    def __init__(self, **values: Any) -> None:
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"the run config is frozen once resolved; cannot set {name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"the run config is frozen once resolved; cannot delete {name}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return RunConfig(**{**vars(self), **changes})
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The arguments after the --resume merge, and the checkpoint to continue (None: a fresh run)."""
+
+    args: dict[str, Any]
+    saved: SavedRun | None = None
+
+
+def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
+    """Find the checkpoint to continue and merge the run's saved arguments with the ones given.
+
+    Arguments given that differ from the saved run are listed; harmless ones apply, ones that would
+    change the training math need --allow-changes. ``--resume auto`` starts the run (in its fixed
+    folder) when it has no last.pt yet, so a restarted job picks up its own. ``defaults`` are the
+    parser's, to tell a flag given from one left alone.
+    """
+    given = vars(opt)
+    if not opt.resume:
+        return Resume(dict(given))
+    if opt.resume == "auto":
+        path = Path(opt.project) / opt.name / "weights" / "last.pt"
+        if not path.is_file():
+            LOGGER.info(f"--resume auto: no {path} yet; starting the run")
+            return Resume({**given, "resume": False, "exist_ok": True})
+    else:
+        path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
+    if path is None:
+        raise UserError(f"--resume: no last.pt found under {opt.project}")
+    saved = SavedRun.load(path)
+    changed = {k: v for k, v in given.items()
+               if k not in RESUME_BOOKKEEPING and k in saved.args and v != defaults.get(k)
+               and not _same_arg(v, saved.args[k])}
+    math = sorted(k for k in changed if k not in RESUME_HARMLESS)
+    if math and not opt.allow_changes:
+        listed = ", ".join(f"--{k.replace('_', '-')} {changed[k]} (run has {saved.args[k]})" for k in math)
+        raise UserError(f"{path}: resuming with {listed} would change the training math; "
+                        "drop them, or pass --allow-changes to continue with them")
+    if "epochs" in changed and (opt.time or saved.args.get("time")):  # --epochs only planned a --time run's first epoch
+        LOGGER.info(f"--time: --epochs {changed.pop('epochs')} ignored; the run's refitted count, "
+                    f"{saved.args['epochs']}, stands")
+    if changed.get("epochs") is not None and changed["epochs"] <= saved.epochs_done:
+        raise UserError(f"{path}: --epochs {changed['epochs']} but {saved.epochs_done} epochs are already done")
+    if changed:
+        LOGGER.info("Resuming with changed arguments: " + ", ".join(
+            f"{k}: {saved.args[k]} -> {v}" for k, v in sorted(changed.items())))
+    args = {**saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
+            "save_dir": str(path.parent.parent)}
+    part = f", batch {saved.batches_done + 1}" if saved.batches_done else ""
+    LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args['epochs']}")
+    return Resume(args, saved)
+
+
+def _same_arg(given, saved) -> bool:
+    """Compare a CLI value with its saved form (paths resolved, tuples as lists)."""
+    given = to_plain(given)
+    if isinstance(given, str) and isinstance(saved, str) and (Path(given).exists() or Path(saved).exists()):
+        return Path(given).resolve() == Path(saved).resolve()
+    return given == saved
+
+
+def resolve_config(resume: Resume, device: torch.device) -> RunConfig:
+    """The frozen config: the device's layout and precision defaults, the family's hyp file and the run
+    folder (rank 0's choice, shared: call it on every rank once the process group is up)."""
+    args, saved = resume.args, resume.saved
+    hyp = args["hyp"] if saved or args["hyp"] else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
+    save_dir = Path(args["save_dir"]) if saved else increment_path(Path(args["project"]) / args["name"], args["exist_ok"])
+    return RunConfig(**{**args, "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
+                        "channels_last": dist.channels_last_default(args["channels_last"], device),
+                        "amp": dist.amp_default(args["amp"], device, legacy=saved is not None and "amp" not in saved.args)})
+
+
+def model_source(cfg: argparse.Namespace, weights: dict | None) -> str | Path | dict:
+    """The model a fresh run builds: --cfg, else the --weights checkpoint's yaml, else the default."""
+    return cfg.cfg or (weights["model_yaml"] if weights else DEFAULT_MODEL)
+
+
+def anchored_model(args: dict[str, Any]) -> bool:
+    """Whether a fresh run's model has an anchor head (YOLOv5), which picks its family's hyp file."""
+    weights = load_checkpoint(args["weights"]) if args["weights"] and not args["cfg"] else None
+    return head_has_anchors(load_model_yaml(model_source(argparse.Namespace(**args), weights))[0])

@@ -1,0 +1,185 @@
+"""The run state: everything an exact continuation needs, in one place, and the one reader and writer
+of a training checkpoint's keys (file IO, and what inference reads, live in the checkpoint module).
+
+A checkpoint is the run state's ``state_dict()`` plus a record of what the run is (model yaml,
+arguments, hyperparameters, class names, versions). Each component with state owns its part: the
+EMA, the early stop, the LR schedule (its --nan-recover scale), the sampler (close_mosaic's epoch),
+NaN recovery and the time budget (the run's timings); the model, optimizer, GradScaler and RNG
+states are torch's own. ``SavedRun`` is a checkpoint read back for a resume, as typed fields.
+
+Where the run stands is one cursor: ``epoch`` (0-based, the epoch in progress) and ``batch`` (its
+batches done). A checkpoint taken inside an epoch records the epochs done before it and
+``batches_done``; one taken after an epoch's last batch records that epoch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.yolo import de_parallel
+from utils.core.errors import UserError
+from utils.data.loader import TrainSampler
+from utils.engine.checkpoint import fp32_state_dict, load_checkpoint, now_iso, rng_states, set_rng_states, \
+    to_plain, versions
+from utils.engine.budget import TimeBudget
+from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
+from utils.engine.recover import NanRecovery
+from utils.eval.metrics import DetectionMetrics
+
+
+class StopReason(enum.Enum):
+    """Why the epochs loop ended; train.py acts on this one value."""
+
+    FINISHED = "finished"  # the planned epochs ran
+    TIME_BUDGET = "time budget"  # --time: the epochs that fitted ran (a normal end)
+    EARLY_STOP = "early stop"  # --patience epochs without improvement (a normal end)
+    PREEMPTED = "preempted"  # a stop signal: last.pt saved, exit 75 for a requeue
+    NAN_BUDGET = "nan budget"  # a non-finite loss with no --nan-recover recovery left: exit 1
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: StopReason
+    message: str = ""  # for PREEMPTED and NAN_BUDGET: what the user is told
+    epochs: int = 0  # epochs this process trained to their end (the end summary's count)
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """A checkpoint to resume, read once; ``load`` refuses files that hold no training state."""
+
+    path: Path
+    ckpt: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | Path) -> SavedRun:
+        ckpt = load_checkpoint(path)
+        if "converted_from" in ckpt:
+            raise UserError(f"{path}: a converted YOLOv5/Ultralytics checkpoint has no training state to resume; "
+                            f"fine-tune from it with --weights {path}")
+        if "optimizer" not in ckpt:
+            raise UserError(f"{path}: this run finished (its optimizer state was stripped); nothing to resume")
+        return cls(Path(path), ckpt)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return self.ckpt["args"]
+
+    @property
+    def epochs_done(self) -> int:
+        return self.ckpt["epoch"] + 1
+
+    @property
+    def batches_done(self) -> int:
+        return int(self.ckpt.get("batches_done", 0))
+
+    @property
+    def model_yaml(self) -> dict:
+        return self.ckpt["model_yaml"]
+
+    @property
+    def model_weights(self) -> dict[str, torch.Tensor]:
+        return self.ckpt["model"]
+
+    @property
+    def hyp(self) -> dict[str, float]:
+        return self.ckpt["hyp"]
+
+    @property
+    def optimizer_choice(self) -> OptimizerChoice | None:
+        """The run's own optimizer (runs saved before --optimizer auto have none)."""
+        return OptimizerChoice(**self.ckpt["optimizer_choice"]) if "optimizer_choice" in self.ckpt else None
+
+
+@dataclass
+class RunState:
+    """What changes as a run trains, and the components that own the rest of its state."""
+
+    epochs: int  # the run's length: --epochs, or what --time refitted it to
+    batches_per_epoch: int  # per rank, a whole epoch
+    model: nn.Module  # DDP-wrapped when distributed
+    ema: ModelEMA
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    lr: LRSchedule
+    sampler: TrainSampler
+    stopper: EarlyStopping
+    recovery: NanRecovery
+    clock: TimeBudget
+    epoch: int = 0  # the epoch in progress (0-based)
+    batch: int = 0  # batches of it done
+    mloss: torch.Tensor | None = None  # running mean loss over ranks at ``batch`` (saved and resumed mid-epoch)
+    best_fitness: float = 0.0
+    metrics: DetectionMetrics | None = None  # the last validation's
+    resumed: bool = False
+
+    @property
+    def mid_epoch(self) -> bool:
+        return 0 < self.batch < self.batches_per_epoch
+
+    def replan(self, epochs: int, close_mosaic: int) -> None:
+        """--time refitted the run to ``epochs``: the LR schedule and close_mosaic follow (a closed mosaic stays closed)."""
+        self.epochs = epochs
+        self.lr.refit(epochs)
+        done, off = self.epoch + 1, self.sampler.mosaic_off_from_epoch
+        if close_mosaic > 0 and (off is None or off > done):
+            self.sampler.close_mosaic_from(max(epochs - close_mosaic, done))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training-state keys of a checkpoint, in weights_only-safe types."""
+        mid = self.mid_epoch
+        ema = self.ema.state_dict()
+        out = {"epoch": self.epoch - 1 if mid else self.epoch, "best_fitness": float(self.best_fitness),
+               "model": fp32_state_dict(de_parallel(self.model)), "ema": ema["weights"], "ema_updates": ema["updates"],
+               "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+               "early_stop": self.stopper.state_dict(), "rng": rng_states(), **self.clock.state_dict(),
+               **self.sampler.state_dict(), "metrics": self.metrics.as_dict() if self.metrics else {}}
+        if self.recovery.enabled:  # the rollback copy and the recoveries used
+            out["nan_recovery"] = self.recovery.state_dict()
+        if mid:
+            out.update(batches_done=self.batch, mloss=self.mloss.tolist(), **self.lr.state_dict())
+        return out
+
+    def load_state_dict(self, ckpt: dict[str, Any], restore_mosaic: bool) -> None:
+        """Continue a saved run; ``restore_mosaic``: take its close_mosaic epoch (--time moved it) rather than
+        the one the build computed from --epochs."""
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.ema.load_state_dict({"weights": ckpt["ema"], "updates": ckpt["ema_updates"]})
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.stopper.load_state_dict(ckpt["early_stop"])
+        set_rng_states(ckpt["rng"])
+        self.epoch, self.batch = ckpt["epoch"] + 1, int(ckpt.get("batches_done", 0))
+        device = next(de_parallel(self.model).parameters()).device
+        self.mloss = torch.tensor(ckpt["mloss"], device=device) if self.batch else None
+        self.best_fitness = ckpt["best_fitness"]
+        self.lr.load_state_dict(ckpt if self.batch else {}, self.epoch)
+        self.clock.load_state_dict(ckpt)
+        self.recovery.load_state_dict(ckpt.get("nan_recovery"))
+        if restore_mosaic and "mosaic_off_from_epoch" in ckpt:
+            self.sampler.load_state_dict(ckpt)
+        self.resumed = True
+
+
+def run_record(t) -> dict[str, Any]:
+    """What a checkpoint says the run is, beside its state: the model to rebuild, the arguments (with the
+    run's current epoch count) and hyperparameters to resume with, the names, and how its metrics were computed."""
+    return {"model_yaml": to_plain(de_parallel(t.model).yaml), "optimizer_choice": asdict(t.optimizer_choice),
+            "seed": t.cfg.seed, "world_size": t.info.world_size, "hyp": t.hyp.as_dict(),
+            "args": to_plain({**t.cfg.as_dict(), "epochs": t.state.epochs}), "names": list(t.names),
+            "val_precision": "bf16" if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
+
+
+def make_checkpoint(t) -> dict[str, Any]:
+    """Everything an exact continuation needs, in weights_only-safe types."""
+    return {**t.state.state_dict(), **run_record(t)}
+
+
+def saved_metrics(path: Path) -> dict[str, float]:
+    """The metrics a checkpoint was saved with ({} when none)."""
+    return load_checkpoint(path).get("metrics") or {} if path.exists() else {}
