@@ -28,7 +28,6 @@ from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import latest_checkpoint
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
-from utils.engine.checkpoint import load_checkpoint, to_plain
 from utils.engine.hooks import Checkpointer, EpochEnd, RunPlots, SaveClock, TimeBudget
 from utils.engine.loop import LoopState, train_one_epoch
 from utils.engine.preempt import StopRequest
@@ -36,6 +35,7 @@ from utils.engine.recover import NanRecovery
 from utils.engine.setup import Training, build_training
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
+from utils.weights.checkpoint import load_checkpoint, to_plain
 
 
 # Arguments that may differ on --resume without changing what the run computes (or, for

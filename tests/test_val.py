@@ -47,7 +47,7 @@ def _confident(ckpt_path: Path) -> None:
     with objectness and class scores lifted, its boxes hit some objects, so mAP, P, R and the
     matrix are non-zero and there are hundreds of detections to write and compare.
     """
-    from utils.engine.checkpoint import load_checkpoint, save_checkpoint
+    from utils.weights.checkpoint import load_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(ckpt_path)
     no = ckpt["model_yaml"]["nc"] + 5

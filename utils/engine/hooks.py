@@ -14,13 +14,13 @@ from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
-from utils.engine.checkpoint import fp32_state_dict, now_iso, rng_states, save_checkpoint, \
-    strip_optimizer, to_plain, versions
+from utils.engine.checkpoint import rng_states
 from utils.engine.optim import lr_lambda, refit_schedule
 from utils.engine.recover import NanRecovery
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
 from utils.eval.plots import plot_images, plot_labels, plot_results
+from utils.weights.checkpoint import fp32_state_dict, now_iso, save_checkpoint, strip_optimizer, to_plain, versions
 
 
 class SaveClock:

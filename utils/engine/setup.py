@@ -30,9 +30,10 @@ from utils.core.runs import increment_path
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
-from utils.engine.checkpoint import load_checkpoint, set_rng_states, to_plain
+from utils.engine.checkpoint import set_rng_states
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, ModelEMA, OptimizerChoice, Warmup, accumulate_steps, \
     choose_optimizer, lr_lambda, make_scheduler, smart_optimizer
+from utils.weights.checkpoint import load_checkpoint, to_plain
 
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (README)

@@ -7,8 +7,8 @@ from models.yolo import de_parallel
 from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
-from utils.engine.checkpoint import load_checkpoint
 from utils.engine.setup import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, Training
+from utils.weights.checkpoint import load_checkpoint
 
 
 def log_start_summary(t: Training) -> None:

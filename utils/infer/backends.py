@@ -30,7 +30,7 @@ from models.yolo import Model
 from utils.core.errors import UserError
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER
-from utils.engine.checkpoint import load_model
+from utils.weights.checkpoint import load_model
 
 META_KEY = "yolotrain"  # ONNX metadata_props key / TorchScript extra file holding ModelMeta as JSON
 META_FILE = "yolotrain.json"
@@ -144,17 +144,10 @@ class TorchBackend(Backend):
 
     @classmethod
     def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
-        model, ckpt = load_model(weights, device)
-        args = ckpt.get("args", {}) or {}
-        names = list(ckpt.get("names") or [])
-        if len(names) != model.detect.nc:
-            LOGGER.warning(f"WARNING: {weights}: {len(names)} class names for {model.detect.nc} classes; "
-                           "classes are named by their index")
-            names = [str(i) for i in range(model.detect.nc)]
-        meta = ModelMeta(names=tuple(names), stride=int(model.stride.max()), imgsz=int(args.get("imgsz", 640)),
-                         family=family_of(model), data=args.get("data"), single_cls=bool(args.get("single_cls")),
-                         epoch=int(ckpt.get("epoch", -1)), source=str(weights),
-                         val_precision=str(ckpt.get("val_precision", "fp32")))
+        model, card = load_model(weights, device)
+        meta = ModelMeta(names=card.names, stride=int(model.stride.max()), imgsz=card.imgsz, family=family_of(model),
+                         data=card.data, single_cls=card.single_cls, epoch=card.epoch, source=str(weights),
+                         val_precision=card.val_precision)
         return cls(model.fuse(), meta)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
