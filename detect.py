@@ -22,6 +22,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from models.yolo import round_to_stride
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range
 from utils.core.errors import UserError, run_entry_point
@@ -29,7 +30,7 @@ from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import increment_path
 from utils.data.sources import resolve_sources
-from utils.infer.backends import ModelMeta, load_backend, round_to_stride
+from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
 from utils.infer.predict import PredictOptions, Predictor
 from utils.infer.save import SaveOptions, Writer

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from models.yolo import round_to_stride
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
-from utils.infer.backends import TorchBackend, require, round_to_stride
+from utils.infer.backends import TorchBackend, require
 from utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all, parity_images
 
 

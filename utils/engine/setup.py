@@ -7,7 +7,6 @@ resume state, DDP) because each consumes the previous ones' results.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from torch import nn
 
 from models.heads.base import Criterion
 from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
-from models.yolo import Model, ModelInfo, de_parallel
+from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
 from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.fileio import ROOT
@@ -116,7 +115,7 @@ def build_training(opt: argparse.Namespace, info: DistInfo, device: torch.device
     data, names = load_data(opt, info)
     model, model_info = build_model(opt, ckpt, source, len(names), data.anchors, na, device)
     grid = max(int(model.stride.max()), 32)
-    imgsz = check_img_size(opt.imgsz, grid)
+    imgsz = round_to_stride(opt.imgsz, grid)
     batch = opt.batch_size // info.world_size
     train_loader, val_loader = build_loaders(opt, info, data, hyp, imgsz, grid, batch, save_dir)
     if not ckpt and not opt.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
@@ -266,14 +265,6 @@ def init_seeds(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_img_size(imgsz: int, stride: int) -> int:
-    """The image size rounded up to a multiple of the largest stride (a warning says so)."""
-    size = max(math.ceil(imgsz / stride) * stride, stride)
-    if size != imgsz:
-        LOGGER.warning(f"--imgsz {imgsz} must be a multiple of the stride {stride}; using {size}")
-    return size
 
 
 def _write_yaml(path: Path, data: dict) -> None:

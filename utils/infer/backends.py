@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import subprocess
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -114,14 +113,6 @@ def require(package: str, purpose: str) -> ModuleType:
     except ImportError:
         raise UserError(f"{purpose} needs the '{package}' package: {EXPORT_PACKAGES} "
                         f"(or pip install {package})") from None
-
-
-def round_to_stride(imgsz: int, stride: int, what: str = "--imgsz") -> int:
-    """``imgsz`` rounded up to a multiple of the stride (the feature pyramid needs it), with a warning."""
-    size = int(math.ceil(imgsz / stride) * stride)
-    if size != imgsz:
-        LOGGER.warning(f"WARNING: {what} {imgsz} is not a multiple of the model stride {stride}; using {size}")
-    return size
 
 
 class Backend(nn.Module):
