@@ -24,7 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from models.yolo import round_to_stride
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range
+from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_local_rank_flag, add_run_folder_flags, \
+    add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
@@ -53,11 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agnostic-nms", action="store_true", help="class-agnostic NMS")
     p.add_argument("--multi-label", action="store_true",
                    help="a box may carry several classes (val.py's setting; default one class per box, as YOLOv5)")
-    p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
     p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch (per rank)")
-    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers for images (per rank)")
-    p.add_argument("--threads", type=Range(int, min=0), default=0,
-                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+    add_device_flags(p)
+    add_workers_flag(p, reads="images")
     p.add_argument("--half", action="store_true",
                    help="reduced-precision inference of a checkpoint: FP16 on CUDA, bf16 autocast on CPU")
     p.add_argument("--save-txt", action="store_true", help="save labels/<stem>.txt (YOLO format, normalised)")
@@ -68,10 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="box line width in pixels (0: scaled with the image)")
     p.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
     p.add_argument("--hide-conf", action="store_true", help="draw class names without confidences")
-    p.add_argument("--project", default=str(ROOT / "runs" / "detect"), help="save results to project/name")
-    p.add_argument("--name", default="exp", help="save results to project/name")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    add_run_folder_flags(p, ROOT / "runs" / "detect")
+    add_local_rank_flag(p)
     return p
 
 
