@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -29,7 +28,7 @@ from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_l
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
-from utils.core.runs import increment_path
+from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
 from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
@@ -86,14 +85,6 @@ def input_size(requested: int | None, meta: ModelMeta) -> int:
     return round_to_stride(requested or meta.imgsz, meta.stride)
 
 
-def pick_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path:
-    """project/name (incremented unless --exist-ok), chosen by rank 0 and shared, created on every rank."""
-    chosen = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok) if info.is_main else None
-    save_dir = Path(dist.broadcast_object(str(chosen) if chosen else None))
-    save_dir.mkdir(parents=True, exist_ok=True)
-    return save_dir
-
-
 def main(opt: argparse.Namespace) -> RunSummary | None:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
@@ -108,7 +99,7 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
         precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
         LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
                     f"{len(sources.images)} images, {len(sources.videos)} videos")
-        save_dir = pick_save_dir(opt, info)
+        save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
         predictor = Predictor(backend, device, PredictOptions(
             conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
             classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,

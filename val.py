@@ -33,7 +33,7 @@ from utils.core.cli import IMGSZ, ArgumentParser, Range, add_cache_flags, add_ch
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
-from utils.core.runs import increment_path
+from utils.core.runs import pick_run_dir
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
@@ -126,7 +126,8 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     if meta.nc != len(names):
         raise UserError(f"{weights}: model has {meta.nc} classes but {data.file} has {len(names)}")
     imgsz, rect = input_shape(opt, model, weights)
-    run_dir = pick_save_dir(opt, info)  # before the scan: its problem report goes there (only if it has problems)
+    # before the scan: its problem report goes there; not created, so a run that writes nothing leaves no folder
+    run_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info)
     loader = get_loader(opt, data, single_cls, imgsz, max(meta.stride, 32), info, run_dir,
                         {} if loaders is None else loaders, rect)
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
@@ -199,18 +200,11 @@ def saves_files(opt: argparse.Namespace) -> bool:
     return opt.save_txt or opt.save_json or not opt.noplots
 
 
-def pick_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path:
-    """project/name (incremented unless --exist-ok), chosen by rank 0 and shared; not created here, so a
-    run that writes nothing (no saved files, no dataset problems to report) leaves no folder."""
-    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok) if info.is_main else None
-    return Path(dist.broadcast_object(str(save_dir) if save_dir else None))
-
-
 def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo, save_dir: Path | None = None) -> Path | None:
     """The run folder (``save_dir`` or a new pick), created by rank 0, when this run saves files; else None."""
     if not saves_files(opt):
         return None
-    save_dir = save_dir or pick_save_dir(opt, info)
+    save_dir = save_dir or pick_run_dir(opt.project, opt.name, opt.exist_ok, info)
     if info.is_main:
         save_dir.mkdir(parents=True, exist_ok=True)
     return save_dir

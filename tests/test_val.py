@@ -238,6 +238,19 @@ def test_run_folder_rules(tmp_path):
         val.check_opt(opt)
 
 
+def test_pick_run_dir_creates_only_when_asked(tmp_path):
+    """val.py picks its folder before it knows it will write; detect.py writes from every rank at once."""
+    from utils.core.dist import DistInfo
+    from utils.core.runs import pick_run_dir
+
+    assert pick_run_dir(tmp_path / "runs", "exp", False, DistInfo()) == tmp_path / "runs" / "exp"
+    assert not (tmp_path / "runs").exists()
+    made = pick_run_dir(tmp_path / "runs", "exp", False, DistInfo(), create=True)
+    assert made == tmp_path / "runs" / "exp" and made.is_dir()
+    assert pick_run_dir(tmp_path / "runs", "exp", False, DistInfo(), create=True) == tmp_path / "runs" / "exp2"
+    assert pick_run_dir(tmp_path / "runs", "exp", True, DistInfo()) == tmp_path / "runs" / "exp"
+
+
 class _ReplayModel(torch.nn.Module):
     """Stands in for a detector: returns prepared decoded outputs, one per batch, in loader order."""
 
