@@ -18,18 +18,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from models.yolo import round_to_stride
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range
+from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_local_rank_flag, add_run_folder_flags, \
+    add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
-from utils.core.runs import increment_path
+from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
-from utils.infer.backends import ModelMeta, load_backend, round_to_stride
+from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
 from utils.infer.predict import PredictOptions, Predictor
 from utils.infer.save import SaveOptions, Writer
@@ -52,11 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agnostic-nms", action="store_true", help="class-agnostic NMS")
     p.add_argument("--multi-label", action="store_true",
                    help="a box may carry several classes (val.py's setting; default one class per box, as YOLOv5)")
-    p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
     p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch (per rank)")
-    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers for images (per rank)")
-    p.add_argument("--threads", type=Range(int, min=0), default=0,
-                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+    add_device_flags(p)
+    add_workers_flag(p, reads="images")
     p.add_argument("--half", action="store_true",
                    help="reduced-precision inference of a checkpoint: FP16 on CUDA, bf16 autocast on CPU")
     p.add_argument("--save-txt", action="store_true", help="save labels/<stem>.txt (YOLO format, normalised)")
@@ -67,10 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="box line width in pixels (0: scaled with the image)")
     p.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
     p.add_argument("--hide-conf", action="store_true", help="draw class names without confidences")
-    p.add_argument("--project", default=str(ROOT / "runs" / "detect"), help="save results to project/name")
-    p.add_argument("--name", default="exp", help="save results to project/name")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
-    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    add_run_folder_flags(p, ROOT / "runs" / "detect")
+    add_local_rank_flag(p)
     return p
 
 
@@ -88,14 +85,6 @@ def input_size(requested: int | None, meta: ModelMeta) -> int:
     return round_to_stride(requested or meta.imgsz, meta.stride)
 
 
-def pick_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path:
-    """project/name (incremented unless --exist-ok), chosen by rank 0 and shared, created on every rank."""
-    chosen = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok) if info.is_main else None
-    save_dir = Path(dist.broadcast_object(str(chosen) if chosen else None))
-    save_dir.mkdir(parents=True, exist_ok=True)
-    return save_dir
-
-
 def main(opt: argparse.Namespace) -> RunSummary | None:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
@@ -110,7 +99,7 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
         precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
         LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
                     f"{len(sources.images)} images, {len(sources.videos)} videos")
-        save_dir = pick_save_dir(opt, info)
+        save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
         predictor = Predictor(backend, device, PredictOptions(
             conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
             classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from models.yolo import round_to_stride
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range
+from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
-from utils.infer.backends import TorchBackend, require, round_to_stride
+from utils.infer.backends import TorchBackend, require
 from utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all, parity_images
 
 
@@ -41,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simplify", action="store_true", help="simplify the ONNX graph with onnxslim (or onnxsim)")
     p.add_argument("--source", nargs="+", default=None,
                    help="images for the parity check (default: the checkpoint's val split)")
-    p.add_argument("--device", default="cpu", help="cuda device, i.e. 0, or cpu")
-    p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
+    add_device_flags(p, default="cpu", distributed=False)
     return p
 
 

@@ -20,7 +20,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from utils.core import dist
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range
+from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
+    add_device_flags, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.cpu import tune_malloc
 from utils.core.errors import Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
@@ -60,10 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
-    p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
-    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers (per rank)")
-    p.add_argument("--threads", type=Range(int, min=0), default=0,
-                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+    add_device_flags(p)
+    add_workers_flag(p)
     p.add_argument("--optimizer", default="auto", choices=("auto", "SGD", "Adam", "AdamW"),
                    help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "
                         "class count on short schedules, SGD on long ones (the log says which and why)")
@@ -87,25 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
+    add_channels_last_flag(p)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
                         "and for CPUs with native bf16, AMX or AVX512-BF16, where it measured faster; --no-amp for fp32)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
-    p.add_argument("--project", default=str(ROOT / "runs" / "train"), help="save to project/name")
-    p.add_argument("--name", default="exp", help="save to project/name")
-    p.add_argument("--exist-ok", action="store_true", help="existing project/name ok, do not increment")
+    add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume the latest run, a given last.pt, or 'auto': this run's last.pt if it exists "
                         "(for torchrun --max-restarts), else start it")
     p.add_argument("--allow-changes", action="store_true",
                    help="on --resume, accept arguments that change the training math (data, model, batch, hyp...)")
-    p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
-                   help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
-    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    add_cache_flags(p)
+    add_local_rank_flag(p)
     return p
 
 

@@ -28,11 +28,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range
+from utils.core.cli import IMGSZ, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, add_device_flags, \
+    add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
-from utils.core.runs import increment_path
+from utils.core.runs import pick_run_dir
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
@@ -64,10 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rectangular batches (default: on, except for fixed-shape exports, which take square inputs)")
     p.add_argument("--task", default="val", choices=("val", "test", "speed"),
                    help="split to score; speed: time the val split at conf 0.25, IoU 0.45, saving nothing")
-    p.add_argument("--device", default="", help="cuda device, i.e. 0 or 0,1 or cpu")
-    p.add_argument("--workers", type=Range(int, min=0), default=8, help="max dataloader workers (per rank)")
-    p.add_argument("--threads", type=Range(int, min=0), default=0,
-                   help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+    add_device_flags(p)
+    add_workers_flag(p)
     p.add_argument("--single-cls", action="store_true", help="treat as single-class dataset")
     p.add_argument("--verbose", action="store_true", help="report mAP by class")
     p.add_argument("--save-txt", action="store_true", help="save detections to labels/<stem>.txt (YOLO format)")
@@ -75,18 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-json", action="store_true",
                    help="save COCO predictions.json, the split's ground_truth.json and metrics.json")
     p.add_argument("--noplots", action="store_true", help="do not save curves, confusion matrix and batch pictures")
-    p.add_argument("--project", default=str(ROOT / "runs" / "val"), help="save results to project/name")
-    p.add_argument("--name", default="exp", help="save results to project/name")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+    add_run_folder_flags(p, ROOT / "runs" / "val")
     p.add_argument("--half", action="store_true",
                    help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32); "
                         "a run trained with --amp on CPU validated this way"),
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured faster; NCHW on CUDA). Rounding differs between the two")
-    p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
-                   help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker of a node")
-    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
+    add_channels_last_flag(p)
+    add_cache_flags(p)
+    add_local_rank_flag(p)
     return p
 
 
@@ -132,7 +126,8 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     if meta.nc != len(names):
         raise UserError(f"{weights}: model has {meta.nc} classes but {data.file} has {len(names)}")
     imgsz, rect = input_shape(opt, model, weights)
-    run_dir = pick_save_dir(opt, info)  # before the scan: its problem report goes there (only if it has problems)
+    # before the scan: its problem report goes there; not created, so a run that writes nothing leaves no folder
+    run_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info)
     loader = get_loader(opt, data, single_cls, imgsz, max(meta.stride, 32), info, run_dir,
                         {} if loaders is None else loaders, rect)
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
@@ -205,18 +200,11 @@ def saves_files(opt: argparse.Namespace) -> bool:
     return opt.save_txt or opt.save_json or not opt.noplots
 
 
-def pick_save_dir(opt: argparse.Namespace, info: dist.DistInfo) -> Path:
-    """project/name (incremented unless --exist-ok), chosen by rank 0 and shared; not created here, so a
-    run that writes nothing (no saved files, no dataset problems to report) leaves no folder."""
-    save_dir = increment_path(Path(opt.project) / opt.name, exist_ok=opt.exist_ok) if info.is_main else None
-    return Path(dist.broadcast_object(str(save_dir) if save_dir else None))
-
-
 def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo, save_dir: Path | None = None) -> Path | None:
     """The run folder (``save_dir`` or a new pick), created by rank 0, when this run saves files; else None."""
     if not saves_files(opt):
         return None
-    save_dir = save_dir or pick_save_dir(opt, info)
+    save_dir = save_dir or pick_run_dir(opt.project, opt.name, opt.exist_ok, info)
     if info.is_main:
         save_dir.mkdir(parents=True, exist_ok=True)
     return save_dir

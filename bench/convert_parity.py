@@ -14,7 +14,7 @@ for every such file:
 
   outputs  the package loads it its own way (in its own venv, ``ckpt.get("ema") or ckpt["model"]``,
            fp32, eval) and runs a fixed random batch; we read the same file through
-           utils.engine.checkpoint.load_model (the allow-listed reader, converted in memory) and run
+           utils.weights.checkpoint.load_model (the allow-listed reader, converted in memory) and run
            the same batch. Compared: the decoded predictions (YOLOv5's objectness multiplied into its
            class scores, as ours report them) and the raw head outputs, as the largest absolute
            difference and that divided by the largest absolute value of the package's output. Parity
@@ -57,7 +57,7 @@ import yaml  # noqa: E402
 
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 from utils.core.logging import setup_logging  # noqa: E402
-from utils.engine.checkpoint import load_model  # noqa: E402
+from utils.weights.checkpoint import CheckpointCard, load_model  # noqa: E402
 
 YOLOV5_MODELS = ("yolov5n", "yolov5s", "yolov5m", "yolov5l", "yolov5x")
 VAL_IOU = {"yolov5": 0.6, "ultralytics": 0.7}
@@ -240,17 +240,17 @@ def their_outputs(files: list[Path], x_path: Path, work: Path, python: str) -> l
     return [dict(np.load(o)) for o in outs]
 
 
-def our_outputs(file: Path, x: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
+def our_outputs(file: Path, x: np.ndarray) -> tuple[dict[str, np.ndarray], CheckpointCard]:
     """Our model from the package's file (converted in memory), in the package's output layout."""
-    model, ckpt = load_model(file, torch.device("cpu"))
+    model, card = load_model(file, torch.device("cpu"))
     with torch.no_grad():
         decoded, raw = model(torch.from_numpy(x))
     if model.detect.has_anchors:  # YOLOv5: (B, N, 4 + nc), objectness already multiplied in
-        return {"decoded": decoded.numpy(), **{f"raw{i}": r.numpy() for i, r in enumerate(raw)}}, ckpt
+        return {"decoded": decoded.numpy(), **{f"raw{i}": r.numpy() for i, r in enumerate(raw)}}, card
     flat = torch.cat([r.flatten(2) for r in raw], 2)
     nbox = 4 * model.detect.reg_max
     return {"decoded": decoded.transpose(1, 2).numpy(), "boxes": flat[:, :nbox].numpy(),
-            "scores": flat[:, nbox:].numpy()}, ckpt
+            "scores": flat[:, nbox:].numpy()}, card
 
 
 def comparable(theirs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -279,9 +279,9 @@ def compare_outputs(model: str, files: list[Path], x: np.ndarray, x_path: Path, 
     rows = []
     for f, theirs in zip(files, their_outputs(files, x_path, work, python)):
         theirs = comparable(theirs)
-        ours, ckpt = our_outputs(f, x)
+        ours, card = our_outputs(f, x)
         raw_keys = [k for k in theirs if k != "decoded"]
-        rows.append(Parity(model, f.name, ckpt["converted_from"]["weights"], len(ckpt["model"]),
+        rows.append(Parity(model, f.name, card.converted_weights, card.tensors,
                            *difference(ours, theirs, ["decoded"]), *difference(ours, theirs, raw_keys)))
     return rows
 

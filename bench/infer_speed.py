@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.core import dist  # noqa: E402  (the repository is put on the path first)
+from models.yolo import round_to_stride  # noqa: E402  (the repository is put on the path first)
+from utils.core import dist  # noqa: E402
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.infer.backends import OnnxBackend, TorchBackend, require, round_to_stride  # noqa: E402
+from utils.infer.backends import OnnxBackend, TorchBackend, require  # noqa: E402
 from utils.infer.export import DecodedOnly, ExportOptions, write_onnx  # noqa: E402
 
 

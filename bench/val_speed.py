@@ -116,7 +116,7 @@ def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) 
     from models.parse import MODELS_DIR
     from models.yolo import Model
     from utils.data.config import load_data_config
-    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint, to_plain
+    from utils.weights.checkpoint import fp32_state_dict, save_checkpoint, to_plain
 
     names = load_data_config(data).names
     torch.manual_seed(seed)

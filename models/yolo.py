@@ -6,6 +6,7 @@ the outputs mean, how they are trained and decoded is the head's business.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,6 +144,15 @@ def de_parallel(model: nn.Module) -> nn.Module:
     """The wrapped model of a DataParallel/DDP wrapper, else the model itself."""
     wrappers = (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)
     return model.module if isinstance(model, wrappers) else model
+
+
+def round_to_stride(imgsz: int, stride: int) -> int:
+    """``imgsz`` rounded up to a multiple of the largest stride, at least one stride (the feature pyramid
+    needs it); training, export and detection round the same way, and a warning says when it changed."""
+    size = max(math.ceil(imgsz / stride) * stride, stride)
+    if size != imgsz:
+        LOGGER.warning(f"--imgsz {imgsz} must be a multiple of the stride {stride}; using {size}")
+    return size
 
 
 def initialize_weights(model: nn.Module) -> None:

@@ -56,7 +56,7 @@ def _train_confident(data: Path, project: Path, cfg: str) -> Path:
     import re
     import subprocess
 
-    from utils.engine.checkpoint import load_checkpoint, save_checkpoint
+    from utils.weights.checkpoint import load_checkpoint, save_checkpoint
 
     args = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0",
             "--seed", "3", "--noplots"]

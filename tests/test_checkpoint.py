@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from utils.engine import checkpoint as ck
 from utils.core.errors import UserError
+from utils.engine.checkpoint import rng_states, set_rng_states
+from utils.weights import checkpoint as ck
 
 
 def _ckpt(value: float) -> dict:
@@ -18,7 +19,7 @@ def _ckpt(value: float) -> dict:
 
 def test_roundtrip_loads_with_weights_only(tmp_path):
     f = tmp_path / "last.pt"
-    ck.save_checkpoint({**_ckpt(1.0), "rng": ck.rng_states(), "versions": ck.versions()}, f)
+    ck.save_checkpoint({**_ckpt(1.0), "rng": rng_states(), "versions": ck.versions()}, f)
     data = torch.load(f, weights_only=True)
     assert torch.equal(data["model"]["w"], torch.ones(3))
     assert ck.load_checkpoint(f)["epoch"] == 1
@@ -67,9 +68,9 @@ def test_pickled_objects_are_refused(tmp_path):
 def test_rng_states_roundtrip(tmp_path):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     f = tmp_path / "rng.pt"
-    ck.save_checkpoint({**_ckpt(0.0), "rng": ck.rng_states()}, f)
+    ck.save_checkpoint({**_ckpt(0.0), "rng": rng_states()}, f)
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    ck.set_rng_states(ck.load_checkpoint(f)["rng"])
+    set_rng_states(ck.load_checkpoint(f)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 

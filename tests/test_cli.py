@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, run_env
+from utils.core import cli as shared
 from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
 
 BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
@@ -32,6 +33,12 @@ def _parser(cli: str) -> argparse.ArgumentParser:
     if cli == "val":
         import val
         return val.build_parser()
+    if cli == "detect":
+        import detect
+        return detect.build_parser()
+    if cli == "export":
+        import export
+        return export.build_parser()
     if cli == "coco":
         from utils.eval import coco
         return coco.build_parser()
@@ -67,7 +74,7 @@ def test_checker_finds_unchecked_numeric_flags():
 
 
 # ---------------------------------------------------------------- every CLI uses it
-@pytest.mark.parametrize("cli", ["train", "val", "coco", *BENCH])
+@pytest.mark.parametrize("cli", ["train", "val", "detect", "export", "coco", *BENCH])
 def test_every_numeric_flag_is_range_checked(cli):
     parser = _parser(cli)
     assert isinstance(parser, ArgumentParser), f"{cli}: use utils.core.cli.ArgumentParser for one-line errors"
@@ -107,6 +114,44 @@ def test_defaults_and_aliases_still_parse():
     assert train.build_parser().parse_args(["--img-size", "64", "--local_rank", "1"]).imgsz == 64
     opt = val.build_parser().parse_args(["--weights", "x.pt"])
     assert opt.imgsz is None and opt.conf_thres == 0.001
+
+
+# ---------------------------------------------------------------- shared flag groups
+SHARED = {  # utils.core.cli group -> the CLIs that take it
+    shared.add_device_flags: ("train", "val", "detect", "export"),
+    shared.add_workers_flag: ("train", "val", "detect"),
+    shared.add_cache_flags: ("train", "val"),
+    shared.add_channels_last_flag: ("train", "val"),
+    shared.add_run_folder_flags: ("train", "val", "detect"),
+    shared.add_local_rank_flag: ("train", "val", "detect"),
+}
+PER_CLI_DEFAULT = {"--device": {"export": "cpu"},  # the defaults that differ; every other one is the same everywhere
+                   "--project": {c: str(ROOT / "runs" / c) for c in ("train", "val", "detect")}}
+
+
+def _group_flags(group) -> list[str]:
+    p = ArgumentParser()
+    group(p, ROOT / "runs" / "x") if group is shared.add_run_folder_flags else group(p)
+    return [a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help"]
+
+
+def _signature(parser: argparse.ArgumentParser, flag: str) -> tuple:
+    """What a flag accepts and gives: names, destination, type, arity, choices and action (not its default)."""
+    a = parser._option_string_actions[flag]
+    kind = repr(a.type) if isinstance(a.type, Range) else a.type
+    choices = None if a.choices is None else tuple(a.choices)
+    return tuple(a.option_strings), a.dest, kind, a.nargs, a.const, choices, type(a).__name__
+
+
+@pytest.mark.parametrize("group", SHARED, ids=lambda g: g.__name__)
+def test_shared_flag_groups_are_identical_in_every_cli(group):
+    users, parsers = SHARED[group], {c: _parser(c) for c in ("train", "val", "detect", "export")}
+    for flag in _group_flags(group):
+        assert sorted(c for c, p in parsers.items() if flag in p._option_string_actions) == sorted(users), flag
+        assert len({_signature(parsers[c], flag) for c in users}) == 1, flag
+        defaults = {c: parsers[c]._option_string_actions[flag].default for c in users}
+        expected = {c: PER_CLI_DEFAULT.get(flag, {}).get(c, defaults[users[0]]) for c in users}
+        assert defaults == expected, flag
 
 
 # ---------------------------------------------------------------- as users run them

@@ -26,9 +26,9 @@ from models.heads.base import Head
 from models.yolo import Model
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
-from utils.engine.checkpoint import load_checkpoint, load_model
-from utils.engine.convert.foreign import ULTRALYTICS, YOLOV5
-from utils.engine.convert.reader import Archive, ReadError
+from utils.weights.checkpoint import load_checkpoint, load_model
+from utils.weights.convert.foreign import ULTRALYTICS, YOLOV5
+from utils.weights.convert.reader import Archive, ReadError
 from utils.engine.setup import transfer_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -233,7 +233,9 @@ def test_converted_weights_and_outputs_equal_the_originals(crafted, watched, nam
     assert all(torch.equal(ckpt["model"][k], v) and ckpt["model"][k].dtype == v.dtype for k, v in expected.items())
     assert ckpt["names"] == NAMES and ckpt["args"] == {"imgsz": 96} and ckpt["epoch"] == -1
     assert ckpt["converted_from"]["package"] == (YOLOV5 if name == "yolov5n" else ULTRALYTICS)
-    model, _ = load_model(crafted["files"][name], torch.device("cpu"))
+    model, card = load_model(crafted["files"][name], torch.device("cpu"))
+    assert (card.names, card.imgsz, card.epoch, card.tensors) == (tuple(NAMES), 96, -1, len(expected))
+    assert card.converted_weights == ckpt["converted_from"]["weights"] and card.data is None
     original.load_state_dict(expected)
     original.eval()
     x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
@@ -264,7 +266,7 @@ def test_yolov5_anchors_come_from_the_trained_buffer(crafted):
 @pytest.mark.slow
 def test_cli_writes_a_weights_only_checkpoint(crafted, tmp_path):
     out = tmp_path / "converted.pt"
-    p = subprocess.run([PYTHON, "-m", "utils.engine.convert", str(crafted["files"]["yolov8n"]), str(out)],
+    p = subprocess.run([PYTHON, "-m", "utils.weights.convert", str(crafted["files"]["yolov8n"]), str(out)],
                        cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "converted to a yolotrain checkpoint" in p.stdout and f"Saved {out}" in p.stdout
@@ -276,7 +278,7 @@ def test_cli_writes_a_weights_only_checkpoint(crafted, tmp_path):
 
 @pytest.mark.slow
 def test_cli_errors_are_one_line(crafted, tmp_path):
-    p = subprocess.run([PYTHON, "-m", "utils.engine.convert", str(crafted["files"]["system"]), str(tmp_path / "o.pt")],
+    p = subprocess.run([PYTHON, "-m", "utils.weights.convert", str(crafted["files"]["system"]), str(tmp_path / "o.pt")],
                        cwd=ROOT, env=run_env(), capture_output=True, text=True)
     out = p.stdout + p.stderr
     assert p.returncode == 1 and "Traceback" not in out and out.count("ERROR:") == 1 and "refused" in out

@@ -475,7 +475,7 @@ def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
 
     from models.yolo import Model
     from tests.conftest import ROOT, run_env
-    from utils.engine.checkpoint import fp32_state_dict, save_checkpoint
+    from utils.weights.checkpoint import fp32_state_dict, save_checkpoint
 
     _tiny_split(tmp_path / "ds", 4, labelled=4, split="val")
     (tmp_path / "ds" / "labels" / "val" / "001.txt").write_text("0 0.5 0.5 0.4 0.4\n3 0.5 0.5 0.4 0.4\n")

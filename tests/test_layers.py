@@ -6,12 +6,16 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-ORDER = ("utils.core", "models", "utils.data", "utils.eval", "utils.engine", "utils.infer")  # each may import those before it
+ORDER = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine",
+         "utils.infer")  # each may import those before it; infer skips engine (test below)
 ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
-           "utils.data": {"utils.core", "models", "utils.data", "data"},
-           "utils.eval": {"utils.core", "models", "utils.data", "data", "utils.eval"},
-           "utils.engine": {"utils.core", "models", "utils.data", "data", "utils.eval", "utils.engine"},
-           "utils.infer": {"utils.core", "models", "utils.data", "data", "utils.eval", "utils.engine", "utils.infer"},
+           "utils.weights": {"utils.core", "models", "utils.weights"},
+           "utils.data": {"utils.core", "models", "utils.weights", "utils.data", "data"},
+           "utils.eval": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval"},
+           "utils.engine": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
+                            "utils.engine"},
+           "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
+                           "utils.infer"},
            "data": {"utils.core", "data"}}
 CLIS = ("train", "val", "detect", "export")
 
@@ -60,6 +64,20 @@ def test_project_imports_sit_at_the_top_of_each_file():
     lazy = [f"{p.relative_to(ROOT)}: {m}" for p in _library_files() + [ROOT / f"{c}.py" for c in CLIS]
             for m, top in _imports(p) if not top]
     assert lazy == []
+
+
+def test_inference_loads_weights_without_the_training_engine():
+    infer = sorted((ROOT / "utils" / "infer").glob("*.py"))
+    engine = [f"{p.name} imports {m}" for p in infer for m, _ in _imports(p) if _layer(m) == "utils.engine"]
+    assert infer and engine == []
+
+
+def test_checkpoint_keys_are_read_in_the_checkpoint_module_only():
+    """Inference reads a checkpoint's card, not its dict: one place knows the keys."""
+    readers = [p.relative_to(ROOT).as_posix() for p in [*(ROOT / "utils" / "infer").glob("*.py"),
+                                                       *(ROOT / f"{c}.py" for c in ("val", "detect", "export"))]
+               if "ckpt[" in p.read_text() or "ckpt.get(" in p.read_text()]
+    assert readers == []
 
 
 def test_no_library_module_reads_rank_from_the_environment():

@@ -4,8 +4,9 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from types import SimpleNamespace
+import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,9 +16,11 @@ from tests.test_resume import ARGS, TORCHRUN
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
 from utils.data.loader import TrainSampler
-from utils.engine.hooks import TimeBudget
-from utils.engine.optim import ModelEMA, lr_lambda, make_scheduler, smart_optimizer
+from utils.engine.budget import TimeBudget
+from utils.engine.config import resolve_resume
+from utils.engine.optim import LRSchedule, ModelEMA, Warmup, lr_lambda, smart_optimizer
 from utils.engine.recover import NanRecovery
+from utils.engine.state import RunState
 
 NAN_GRAD = str(ROOT / "tests" / "scripts" / "nan_grad.py")
 
@@ -143,55 +146,84 @@ def test_without_the_option_a_non_finite_loss_stops_and_points_to_it(tiny_data, 
 
 
 # ---------------------------------------------------------------- --time
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # no training in the fakes
 
 
-def _fake_run(epochs: int, close_mosaic: int = 2):
-    params = [nn.Parameter(torch.zeros(1))]
-    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    lf = lr_lambda(epochs, 0.01)
-    sampler = TrainSampler(8)
-    t = SimpleNamespace(opt=SimpleNamespace(epochs=epochs, cos_lr=False), hyp=Hyp(lrf=0.01, close_mosaic=close_mosaic),
-                        info=DistInfo(), scheduler=make_scheduler(optimizer, lf, 0), lr_lambda=lf,
-                        optimizer=optimizer, train_loader=SimpleNamespace(sampler=sampler))
-    return t
+def _fake_run(epochs: int, hours: float, close_mosaic: int = 2) -> RunState:
+    """A run state with the parts --time touches: an SGD LR schedule, a sampler and the time budget."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
+    lr = LRSchedule(optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), epochs, lrf=0.01, cos=False)
+    return RunState(epochs=epochs, batches_per_epoch=1, model=None, ema=None, optimizer=optimizer, scaler=None, lr=lr,
+                    sampler=TrainSampler(8), stopper=None, recovery=None, clock=TimeBudget(hours))
 
 
-def _after_epoch(t, epoch: int, spent: float, epoch_seconds: list[float]):
-    """The state train() has after ``epoch``: the scheduler stepped, ``spent`` seconds used."""
-    t.scheduler.step()
-    return SimpleNamespace(epoch=epoch, epoch_seconds=epoch_seconds[:-1], train_seconds=spent)
+def _after_epoch(state: RunState, epoch: int, spent: float, seconds: float, close_mosaic: int = 2) -> None:
+    """What run_epochs does after ``epoch``, which took ``seconds``, with ``spent`` seconds of the budget used."""
+    state.epoch = epoch
+    state.lr.next_epoch()
+    state.clock.seconds_before, state.clock.started = spent, time.time()
+    fits = state.clock.end_epoch(epoch + 1, state.epochs, seconds, DistInfo(), close_mosaic)
+    if fits is not None:
+        state.replan(fits, close_mosaic)
+
+
+def _lr(state: RunState) -> float:
+    return state.optimizer.param_groups[0]["lr"]
 
 
 def test_time_budget_fits_the_epochs_the_schedule_and_close_mosaic():
-    t = _fake_run(epochs=3)
-    budget = TimeBudget(hours=100 / 3600)  # 100 s
-    budget.refit(t, _after_epoch(t, 0, spent=12.0, epoch_seconds=[10.0]), 10.0)
-    assert t.opt.epochs == 1 + 8  # 88 s left, 10 s an epoch
-    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(9, 0.01)(1))  # epoch 1's LR, 9-epoch plan
-    assert t.train_loader.sampler.mosaic_off_from_epoch == 9 - 2
-    budget.refit(t, _after_epoch(t, 1, spent=40.0, epoch_seconds=[10.0, 26.0]), 26.0)
-    assert t.opt.epochs == 2 + 3  # 60 s left at 18 s an epoch
-    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(5, 0.01)(2))
-    assert t.train_loader.sampler.mosaic_off_from_epoch == 3
+    state = _fake_run(epochs=3, hours=100 / 3600)  # 100 s
+    _after_epoch(state, 0, spent=12.0, seconds=10.0)
+    assert state.epochs == 1 + 8  # 88 s left, 10 s an epoch
+    assert _lr(state) == pytest.approx(0.01 * lr_lambda(9, 0.01)(1))  # epoch 1's LR, 9-epoch plan
+    assert state.sampler.mosaic_off_from_epoch == 9 - 2
+    _after_epoch(state, 1, spent=40.0, seconds=26.0)
+    assert state.epochs == 2 + 3  # 60 s left at 18 s an epoch
+    assert _lr(state) == pytest.approx(0.01 * lr_lambda(5, 0.01)(2))
+    assert state.sampler.mosaic_off_from_epoch == 3
     for epoch in (2, 3):  # epoch 3 closed mosaic; a faster pace later does not reopen it
-        budget.refit(t, _after_epoch(t, epoch, spent=41.0 + epoch, epoch_seconds=[10.0, 26.0, 1.0, 1.0][:epoch + 1]), 1.0)
-    assert t.opt.epochs > 5 and t.train_loader.sampler.mosaic_off_from_epoch == 3
+        _after_epoch(state, epoch, spent=41.0 + epoch, seconds=1.0)
+    assert state.epochs > 5 and state.sampler.mosaic_off_from_epoch == 3
 
 
 def test_time_budget_ends_on_the_epoch_planned_last_and_when_nothing_fits():
-    t = _fake_run(epochs=4)
-    budget = TimeBudget(hours=1 / 3600)
-    budget.refit(t, _after_epoch(t, 0, spent=5.0, epoch_seconds=[5.0]), 5.0)
-    assert t.opt.epochs == 1  # over budget: the epoch just done is the last
-    t = _fake_run(epochs=2)
-    budget = TimeBudget(hours=1.0)
-    budget.refit(t, _after_epoch(t, 1, spent=5.0, epoch_seconds=[2.0, 2.0]), 2.0)
-    assert t.opt.epochs == 2  # began as the last epoch: not extended
-    off = TimeBudget(hours=0)
-    t = _fake_run(epochs=3)
-    off.refit(t, _after_epoch(t, 0, spent=1e9, epoch_seconds=[1.0]), 1.0)
-    assert t.opt.epochs == 3
+    state = _fake_run(epochs=4, hours=1 / 3600)
+    _after_epoch(state, 0, spent=5.0, seconds=5.0)
+    assert state.epochs == 1  # over budget: the epoch just done is the last
+    state = _fake_run(epochs=2, hours=1.0)
+    state.clock.epoch_seconds = [2.0]
+    _after_epoch(state, 1, spent=5.0, seconds=2.0)
+    assert state.epochs == 2  # began as the last epoch: not extended
+    state = _fake_run(epochs=3, hours=0)
+    _after_epoch(state, 0, spent=1e9, seconds=1.0)
+    assert state.epochs == 3 and state.clock.epoch_seconds == [1.0]  # off: timed, never refitted
+
+
+def test_the_lr_schedule_is_the_only_writer_of_learning_rates():
+    """Warmup, the epoch schedule, the NaN halving and the --time refit all go through LRSchedule, and a
+    resumed schedule (loaded from the optimizer's state and the run state) continues the same LRs."""
+    def run(resume_at: int | None) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))] * 1, lr=0.01, momentum=0.9)
+        lr = LRSchedule(optimizer, Warmup(iters=3, bias_lr=0.1, momentum0=0.8, momentum=0.9), 6, lrf=0.01, cos=True)
+        seen = []
+        for epoch in range(6):
+            for b in range(2):
+                lr.warmup_step(epoch * 2 + b, epoch)
+                if (epoch, b) == (1, 0):
+                    lr.halve()
+                seen.append(lr.values()[0])
+            if resume_at == epoch:  # save at the end of this epoch, then continue in a new schedule
+                lr.next_epoch()
+                saved = optimizer.state_dict()
+                optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5, momentum=0.0)
+                lr = LRSchedule(optimizer, lr.warmup, 6, lrf=0.01, cos=True)
+                optimizer.load_state_dict(saved)
+                lr.load_state_dict({}, epoch + 1)
+                continue
+            lr.next_epoch()
+        return seen
+    straight = run(None)
+    assert straight[2] == pytest.approx(0.5 * np.interp(2, [0, 3], [0.1, 0.01 * lr_lambda(6, 0.01, True)(1)]))
+    assert run(resume_at=2) == straight
 
 
 def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path):
@@ -215,5 +247,4 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
     saved.update(epochs=40, resume=False)  # the count --time had refitted when the run was saved
     torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
     opt = train.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
-    train.resolve_resume(opt)
-    assert opt.epochs == 40
+    assert resolve_resume(opt, vars(train.build_parser().parse_args([]))).args["epochs"] == 40

@@ -7,7 +7,7 @@ import torch
 from models.heads.anchor_loss import AnchorLossGains
 from utils.core.hyp import Hyp
 from utils.engine.loop import rescale_batch
-from utils.engine.optim import make_scheduler
+from utils.engine.config import resolve_resume
 
 
 def test_multi_scale_sizes_vary_within_range_on_stride_multiples_and_repeat():
@@ -28,27 +28,27 @@ def test_loss_gains_scale_with_layers_classes_and_image_size():
 
 def test_resumed_lr_schedule_matches_the_uninterrupted_one():
     """Resuming at epoch s must give every later epoch the LR the uninterrupted run gives it."""
-    from utils.engine.optim import lr_lambda
+    from utils.engine.optim import LRSchedule, Warmup
 
-    def fresh_optimizer():
-        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
+    def fresh():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
+        return optimizer, LRSchedule(optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), 10,
+                                     lrf=0.01, cos=False)
 
-    lf = lr_lambda(10, 0.01)
-    opt = fresh_optimizer()
-    sched = make_scheduler(opt, lf, 0)
+    opt, lr = fresh()
     straight, saved = [], {}
     for epoch in range(10):
         straight.append(opt.param_groups[0]["lr"])  # the LR this epoch trains with
-        sched.step()
+        lr.next_epoch()
         saved[epoch] = opt.state_dict()  # what the end-of-epoch checkpoint holds
     for s in (1, 4, 9):
-        opt2 = fresh_optimizer()
+        opt2, lr2 = fresh()
         opt2.load_state_dict(saved[s - 1])
-        sched2 = make_scheduler(opt2, lf, s)
+        lr2.load_state_dict({}, s)
         resumed = []
         for _ in range(s, 10):
             resumed.append(opt2.param_groups[0]["lr"])
-            sched2.step()
+            lr2.next_epoch()
         assert resumed == straight[s:], f"resume at epoch {s}"
 
 
@@ -83,13 +83,15 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
     """More --epochs on resume could flip the auto rule; the checkpoint's choice wins."""
     from dataclasses import asdict
 
+    from pathlib import Path
+
     from utils.engine.optim import choose_optimizer
-    from utils.engine.setup import resume_choice
+    from utils.engine.state import SavedRun
     choice = choose_optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10, anchored=False)
-    assert resume_choice({"optimizer_choice": asdict(choice)}) == choice
+    assert SavedRun(Path("last.pt"), {"optimizer_choice": asdict(choice)}).optimizer_choice == choice
     saved_before = {k: v for k, v in asdict(choice).items() if k != "nominal_batch"}  # runs before the short-run step
-    assert resume_choice({"optimizer_choice": saved_before}).nominal_batch == 64  # ... keep accumulating to 64
-    assert resume_choice({"epoch": 3}) is None and resume_choice(None) is None
+    assert SavedRun(Path("last.pt"), {"optimizer_choice": saved_before}).optimizer_choice.nominal_batch == 64
+    assert SavedRun(Path("last.pt"), {"epoch": 3}).optimizer_choice is None  # runs before --optimizer auto
 
 
 def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
@@ -100,7 +102,7 @@ def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
     torch.save({"model_yaml": {}, "model": {}, "converted_from": {"package": "yolov5"}}, path)
     opt = train.parse_opt(["--resume", str(path)])
     with pytest.raises(UserError, match="no training state to resume; fine-tune from it with --weights"):
-        train.resolve_resume(opt)
+        resolve_resume(opt, vars(train.build_parser().parse_args([])))
 
 
 def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):

@@ -47,7 +47,7 @@ def _confident(ckpt_path: Path) -> None:
     with objectness and class scores lifted, its boxes hit some objects, so mAP, P, R and the
     matrix are non-zero and there are hundreds of detections to write and compare.
     """
-    from utils.engine.checkpoint import load_checkpoint, save_checkpoint
+    from utils.weights.checkpoint import load_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(ckpt_path)
     no = ckpt["model_yaml"]["nc"] + 5
@@ -236,6 +236,19 @@ def test_run_folder_rules(tmp_path):
     opt = val.parse_opt(["--weights", "a.pt", "b.pt", "--save-txt", "--exist-ok"])
     with pytest.raises(UserError, match="--exist-ok with several --weights"):
         val.check_opt(opt)
+
+
+def test_pick_run_dir_creates_only_when_asked(tmp_path):
+    """val.py picks its folder before it knows it will write; detect.py writes from every rank at once."""
+    from utils.core.dist import DistInfo
+    from utils.core.runs import pick_run_dir
+
+    assert pick_run_dir(tmp_path / "runs", "exp", False, DistInfo()) == tmp_path / "runs" / "exp"
+    assert not (tmp_path / "runs").exists()
+    made = pick_run_dir(tmp_path / "runs", "exp", False, DistInfo(), create=True)
+    assert made == tmp_path / "runs" / "exp" and made.is_dir()
+    assert pick_run_dir(tmp_path / "runs", "exp", False, DistInfo(), create=True) == tmp_path / "runs" / "exp2"
+    assert pick_run_dir(tmp_path / "runs", "exp", True, DistInfo()) == tmp_path / "runs" / "exp"
 
 
 class _ReplayModel(torch.nn.Module):

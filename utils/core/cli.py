@@ -5,12 +5,16 @@ arguments are parsed, before any device, process group or data work starts, with
 naming the flag, the value and the allowed range, and exit status 2 (argparse's). Under torchrun
 every rank parses its own argv, so every rank stops the same way.
 
+The flag groups several CLIs share (device and threads, workers, caches, memory format, run
+folder, torchrun's local rank) are written once here, so each means the same everywhere.
+
 Leaf module: standard library only, so any CLI (and bench script) can use it.
 """
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import NoReturn, Union
 
 Number = Union[int, float]
@@ -80,6 +84,50 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"ERROR: {' '.join(str(message).split())}\n")
+
+
+def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True) -> None:
+    """--device and --threads; ``distributed``: the CLI runs under torchrun, so threads are per rank."""
+    if distributed:
+        p.add_argument("--device", default=default, help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
+        p.add_argument("--threads", type=Range(int, min=0), default=0,
+                       help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+    else:
+        p.add_argument("--device", default=default, help="cuda device, i.e. 0, or cpu")
+        p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
+
+
+def add_workers_flag(p: argparse.ArgumentParser, reads: str = "") -> None:
+    """--workers; ``reads`` names what the workers load when not everything goes through them."""
+    p.add_argument("--workers", type=Range(int, min=0), default=8,
+                   help=f"max dataloader workers{' for ' + reads if reads else ''} (per rank)")
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    """--cache and --cache-dir: where resized images and label caches go (utils/data/imgcache, labelcache)."""
+    p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
+                   help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker "
+                        "of a node")
+    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
+
+
+def add_channels_last_flag(p: argparse.ArgumentParser) -> None:
+    """--channels-last / --no-channels-last; unset (None) lets utils.core.dist pick per device."""
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured "
+                        "faster; NCHW on CUDA). Rounding differs between the two")
+
+
+def add_run_folder_flags(p: argparse.ArgumentParser, project: str | Path) -> None:
+    """--project, --name, --exist-ok: the run folder project/name, incremented (exp2, exp3...) unless --exist-ok."""
+    p.add_argument("--project", default=str(project), help="save results to project/name")
+    p.add_argument("--name", default="exp", help="save results to project/name")
+    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+
+
+def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
+    """--local-rank (hidden): older torch.distributed.launch passes it; utils.core.dist reads it."""
+    p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
 
 
 def _name(action: argparse.Action) -> str:

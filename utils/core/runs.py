@@ -6,6 +6,8 @@ import glob
 import os
 from pathlib import Path
 
+from utils.core.dist import DistInfo, broadcast_object
+
 
 def increment_path(path: str | Path, exist_ok: bool = False) -> Path:
     """runs/train/exp -> runs/train/exp2, exp3, ... unless exist_ok or the path is free."""
@@ -16,6 +18,16 @@ def increment_path(path: str | Path, exist_ok: bool = False) -> Path:
     while (candidate := path.with_name(f"{path.name}{n}")).exists():
         n += 1
     return candidate
+
+
+def pick_run_dir(project: str | Path, name: str, exist_ok: bool, info: DistInfo, create: bool = False) -> Path:
+    """project/name (incremented unless exist_ok), chosen by rank 0 and shared, so every rank writes into one
+    folder. ``create``: made on every rank now; else the caller makes it when it has something to write."""
+    chosen = increment_path(Path(project) / name, exist_ok=exist_ok) if info.is_main else None
+    save_dir = Path(broadcast_object(str(chosen) if chosen else None))
+    if create:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    return save_dir
 
 
 def latest_checkpoint(search_dir: str | Path = "runs") -> Path | None:

@@ -20,8 +20,8 @@ from utils.core.errors import UserError
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
-from utils.engine.checkpoint import load_checkpoint, to_plain
 from utils.engine.state import SavedRun
+from utils.weights.checkpoint import load_checkpoint, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
 DEFAULT_HYP = ROOT / "hyps" / "hyp.scratch-low.yaml"  # anchor-based heads (YOLOv5)

@@ -12,11 +12,11 @@ from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
-from utils.engine.checkpoint import save_checkpoint, strip_optimizer
 from utils.engine.state import make_checkpoint
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
 from utils.eval.plots import plot_images, plot_labels, plot_results
+from utils.weights.checkpoint import save_checkpoint, strip_optimizer
 
 
 class SaveClock:

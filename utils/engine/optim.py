@@ -10,8 +10,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from models.yolo import de_parallel
 from utils.core.logging import LOGGER
-from utils.engine.checkpoint import fp32_state_dict
+from utils.weights.checkpoint import fp32_state_dict
 
 NOMINAL_BATCH = 64  # weight decay is expressed per this many images; SGD recipes accumulate to it
 SHORT_RUN_BATCH = 16  # --optimizer auto's short-run AdamW steps once per this many images
@@ -199,7 +200,7 @@ class ModelEMA:
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000, updates: int = 0):
-        self.ema = deepcopy(_unwrap(model)).eval()
+        self.ema = deepcopy(de_parallel(model)).eval()
         self.updates = updates
         self.decay_fn = lambda x: decay * (1 - math.exp(-x / tau))
         for p in self.ema.parameters():
@@ -209,7 +210,7 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         self.updates += 1
         d = self.decay_fn(self.updates)
-        msd = _unwrap(model).state_dict()
+        msd = de_parallel(model).state_dict()
         pairs = [(v, msd[k].detach()) for k, v in self.ema.state_dict().items() if v.dtype.is_floating_point]
         averaged, current = [v for v, _ in pairs], [m for _, m in pairs]
         torch._foreach_mul_(averaged, d)  # v = v * d + m * (1 - d), each tensor as before, in two launches
@@ -222,10 +223,6 @@ class ModelEMA:
     def load_state_dict(self, state: dict) -> None:
         self.ema.load_state_dict(state["weights"])
         self.updates = state["updates"]
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)) else model
 
 
 class EarlyStopping:

@@ -6,7 +6,6 @@ resume state, DDP) because each consumes the previous ones' results.
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch import nn
 
 from models.heads.base import Criterion
 from models.parse import head_has_anchors, load_model_yaml
-from models.yolo import Model, ModelInfo, de_parallel
+from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
 from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp, load_hyp
@@ -27,12 +26,12 @@ from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
-from utils.engine.checkpoint import load_checkpoint, to_plain
 from utils.engine.config import RunConfig, model_source
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     accumulate_steps, choose_optimizer, smart_optimizer
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState, SavedRun
+from utils.weights.checkpoint import load_checkpoint, to_plain
 
 
 @dataclass
@@ -100,7 +99,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     data, names = load_data(cfg, info)
     model, model_info = build_model(cfg, saved, source, len(names), data.anchors, na, device)
     grid = max(int(model.stride.max()), 32)
-    imgsz = check_img_size(cfg.imgsz, grid)
+    imgsz = round_to_stride(cfg.imgsz, grid)
     batch = cfg.batch_size // info.world_size
     train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir)
     if not saved and not cfg.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
@@ -224,14 +223,6 @@ def init_seeds(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def check_img_size(imgsz: int, stride: int) -> int:
-    """The image size rounded up to a multiple of the largest stride (a warning says so)."""
-    size = max(math.ceil(imgsz / stride) * stride, stride)
-    if size != imgsz:
-        LOGGER.warning(f"--imgsz {imgsz} must be a multiple of the stride {stride}; using {size}")
-    return size
 
 
 def _write_yaml(path: Path, data: dict) -> None:

@@ -24,12 +24,12 @@ from torch import nn
 from models.yolo import de_parallel
 from utils.core.errors import UserError
 from utils.data.loader import TrainSampler
-from utils.engine.checkpoint import fp32_state_dict, load_checkpoint, now_iso, rng_states, set_rng_states, \
-    to_plain, versions
+from utils.engine.checkpoint import rng_states, set_rng_states
 from utils.engine.budget import TimeBudget
 from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
 from utils.engine.recover import NanRecovery
 from utils.eval.metrics import DetectionMetrics
+from utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
 
 
 class StopReason(enum.Enum):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import subprocess
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -30,7 +29,7 @@ from models.yolo import Model
 from utils.core.errors import UserError
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER
-from utils.engine.checkpoint import load_model
+from utils.weights.checkpoint import load_model
 
 META_KEY = "yolotrain"  # ONNX metadata_props key / TorchScript extra file holding ModelMeta as JSON
 META_FILE = "yolotrain.json"
@@ -116,14 +115,6 @@ def require(package: str, purpose: str) -> ModuleType:
                         f"(or pip install {package})") from None
 
 
-def round_to_stride(imgsz: int, stride: int, what: str = "--imgsz") -> int:
-    """``imgsz`` rounded up to a multiple of the stride (the feature pyramid needs it), with a warning."""
-    size = int(math.ceil(imgsz / stride) * stride)
-    if size != imgsz:
-        LOGGER.warning(f"WARNING: {what} {imgsz} is not a multiple of the model stride {stride}; using {size}")
-    return size
-
-
 class Backend(nn.Module):
     """A detector called like an eval-mode ``Model``: images -> ``(decoded, raw)``; see the module docstring."""
 
@@ -144,17 +135,10 @@ class TorchBackend(Backend):
 
     @classmethod
     def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
-        model, ckpt = load_model(weights, device)
-        args = ckpt.get("args", {}) or {}
-        names = list(ckpt.get("names") or [])
-        if len(names) != model.detect.nc:
-            LOGGER.warning(f"WARNING: {weights}: {len(names)} class names for {model.detect.nc} classes; "
-                           "classes are named by their index")
-            names = [str(i) for i in range(model.detect.nc)]
-        meta = ModelMeta(names=tuple(names), stride=int(model.stride.max()), imgsz=int(args.get("imgsz", 640)),
-                         family=family_of(model), data=args.get("data"), single_cls=bool(args.get("single_cls")),
-                         epoch=int(ckpt.get("epoch", -1)), source=str(weights),
-                         val_precision=str(ckpt.get("val_precision", "fp32")))
+        model, card = load_model(weights, device)
+        meta = ModelMeta(names=card.names, stride=int(model.stride.max()), imgsz=card.imgsz, family=family_of(model),
+                         data=card.data, single_cls=card.single_cls, epoch=card.epoch, source=str(weights),
+                         val_precision=card.val_precision)
         return cls(model.fuse(), meta)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

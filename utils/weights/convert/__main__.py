@@ -1,4 +1,4 @@
-"""``python -m utils.engine.convert yolov5s.pt [yolov5s-yolotrain.pt]``: convert a YOLOv5 or
+"""``python -m utils.weights.convert yolov5s.pt [yolov5s-yolotrain.pt]``: convert a YOLOv5 or
 Ultralytics checkpoint once and save it as a yolotrain checkpoint (weights_only-loadable).
 
 train.py, val.py and detect.py also take the original file as ``--weights`` and convert it in
@@ -14,12 +14,12 @@ from models.yolo import Model
 from utils.core.cli import ArgumentParser
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
-from utils.engine.checkpoint import load_checkpoint, load_foreign, save_checkpoint
-from utils.engine.convert.foreign import sniff
+from utils.weights.checkpoint import load_checkpoint, load_foreign, save_checkpoint
+from utils.weights.convert.foreign import sniff
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog="python -m utils.engine.convert",
+    p = ArgumentParser(prog="python -m utils.weights.convert",
                        description="Convert a YOLOv5 or Ultralytics checkpoint to a yolotrain checkpoint "
                                    "(read without running anything in it; weights_only-loadable when saved).")
     p.add_argument("source", help="a YOLOv5 (v6.0+, 7.x package or checkout) or Ultralytics 8.x detection .pt file")

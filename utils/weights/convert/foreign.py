@@ -28,7 +28,7 @@ from torch import nn
 from models.parse import SIZE_IN_NAME
 from models.yolo import Model
 from utils.core.errors import UserError
-from utils.engine.convert.reader import Archive, Recorded, ReadError, TensorRef, globals_named, \
+from utils.weights.convert.reader import Archive, Recorded, ReadError, TensorRef, globals_named, \
     is_tensor_plumbing
 
 YOLOV5 = "yolov5"
