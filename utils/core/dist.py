@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils.core import watchdog
+from utils.core.cpu import usable_cpus
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
@@ -89,7 +90,7 @@ def first_slurm_host(nodelist: str) -> str:
 def set_cpu_threads(info: DistInfo, requested: int = 0) -> int:
     """Intra-op threads for this rank: ``requested``, else torch's current count capped so that the
     node's ranks x threads <= its cores (several CPU ranks must not oversubscribe the machine)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()
     n = requested if requested > 0 else min(torch.get_num_threads(), max(1, cores // max(info.local_world_size, 1)))
     torch.set_num_threads(n)
     return n

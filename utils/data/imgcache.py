@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from utils.core import watchdog
+from utils.core.cpu import usable_cpus
 from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
@@ -337,7 +338,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
             _check_room(need, len(im_files), img_size, folder, mode)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
-            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, os.cpu_count() or 1))
+            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, usable_cpus()))
             cache.built = True
             _remove_stale(folder, file, family, mode)
             LOGGER.info(f"{prefix}Cached {len(im_files)} images in {time.time() - t0:.1f}s")
