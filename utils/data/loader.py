@@ -23,7 +23,7 @@ from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
 from utils.data.geometry import Placement
-from utils.data.imgcache import build_or_open
+from utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
 class Batch(NamedTuple):
@@ -166,12 +166,13 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
             error = e           # every rank reaches it and names the problem itself, not "rank 0 failed"
     if error is not None:
         raise error
-    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
-        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
-                                         image_hw=dataset.image_hw, path=path, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
+    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
+        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
+                                         image_hw=dataset.image_hw, path=path, prefix=prefix,
+                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz))
     if training:
         sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,
                                         drop_last=rect and info.world_size > 1)
