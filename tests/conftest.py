@@ -23,6 +23,22 @@ def run_env() -> dict:
     return env
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip ``cuda`` tests where CUDA is missing, and ``cuda(devices=2)`` ones below two GPUs, so the
+    GPU checks sit beside their CPU twins and run wherever a GPU is present."""
+    marked = [(item, item.get_closest_marker("cuda")) for item in items]
+    marked = [(item, m) for item, m in marked if m is not None]
+    if not marked:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item, mark in marked:
+        need = int(mark.kwargs.get("devices", mark.args[0] if mark.args else 1))
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), {have} here"))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: tiny convs run far faster than with threads fighting for 2 busy cores."""

@@ -170,3 +170,61 @@ def test_stale_sweep_spares_other_sizes(images, shm):
     cv2.imwrite(images[3], np.full((20, 90, 3), 9, np.uint8))
     imgcache.build_or_open(images, 64, False, "ram")
     assert not first.file.exists() and other_size.file.exists()
+
+
+def _cgroup(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture()
+def host_ram(tmp_path, monkeypatch) -> Path:
+    """A /proc/meminfo with 100 GiB available and an empty cgroup folder, both under tmp_path."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {200 * 2**20} kB\nMemAvailable:   {100 * 2**20} kB\n")
+    monkeypatch.setattr(imgcache, "MEMINFO", meminfo)
+    monkeypatch.setattr(imgcache, "CGROUP", tmp_path / "cgroup")
+    return tmp_path / "cgroup"
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("files, want", [
+    ({}, 100 * GIB),  # no cgroup files: the host's MemAvailable
+    ({"memory.max": "max\n", "memory.current": str(GIB), "memory.stat": "inactive_file 0\n"}, 100 * GIB),
+    ({"memory.max": str(4 * GIB), "memory.current": str(3 * GIB), "memory.stat": f"anon 1\ninactive_file {GIB // 2}\n"},
+     GIB + GIB // 2),  # v2 container: 4 GiB limit, 3 used, half a GiB of it reclaimable page cache
+    ({"memory/memory.limit_in_bytes": str(8 * GIB), "memory/memory.usage_in_bytes": str(7 * GIB),
+      "memory/memory.stat": "total_inactive_file 0\n"}, GIB),  # v1
+    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "5",
+      "memory/memory.stat": ""}, 100 * GIB),  # v1 without a limit
+    ({"memory.max": str(2 * GIB), "memory.current": str(3 * GIB), "memory.stat": ""}, 0),  # over the limit
+])
+def test_available_ram_is_capped_by_the_containers_cgroup(host_ram, files, want):
+    _cgroup(host_ram, files)
+    assert imgcache.available_ram() == want
+
+
+def test_a_cache_that_fits_only_under_the_host_ram_is_refused_in_a_container(images, shm, host_ram, monkeypatch):
+    """ram caches are limited by RAM (tmpfs pages are charged to the container): the cgroup limit counts."""
+    monkeypatch.setattr(imgcache.shutil, "disk_usage", lambda folder: type("U", (), {"free": 50 * GIB})())
+    _cgroup(host_ram, {"memory.max": str(GIB), "memory.current": str(GIB - 2**20), "memory.stat": ""})
+    with pytest.raises(UserError, match=r"--cache ram needs .* but only 1.0 MB of RAM is available"):
+        imgcache.build_or_open(images, 64, False, "ram")
+
+
+def test_loader_workers_shared_memory_is_kept_free(images, shm, monkeypatch):
+    """8 ranks x 8 workers at 640 px, batch 16: about 2.5 GB of /dev/shm that the cache must leave free."""
+    node = imgcache.loader_shm_bytes(ranks=8, workers=8, batch_size=16, img_size=640)
+    assert node == 8 * 8 * 2 * 16 * 3 * 640 * 640 and 2.4e9 < node < 2.6e9
+    free = imgcache.MARGIN_BYTES + 2**24  # room for this small cache and the usual margin, not for the workers
+    monkeypatch.setattr(imgcache, "free_bytes", lambda folder, mode: (free, f"is free in {folder}"))
+    with pytest.raises(UserError, match=r"--cache ram needs .* \(2.8 GB must stay free, 2.5 GB of it for the loader "
+                                        r"workers' shared-memory batches\); use --cache disk"):
+        imgcache.build_or_open(images, 64, False, "ram", workers_shm=node)
+    assert not list(shm.iterdir())
+    assert imgcache.build_or_open(images, 64, False, "ram", workers_shm=2**20).built
+    assert imgcache.build_or_open(images, 64, False, "disk", cache_dir=shm / "d", workers_shm=node).built

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models.heads.anchor_loss import AnchorLoss, AnchorLossGains
-from models.heads.base import Head, decode_outside_autocast
+from models.heads.base import Head, decode_outside_autocast, ramp
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
@@ -54,7 +54,7 @@ class Detect(Head):
     def _decode(self, i: int, p: torch.Tensor) -> torch.Tensor:
         """Raw level-i output -> (bs, na*ny*nx, 4 + nc): xywh in pixels (YOLOv5 v6 formula), obj * cls."""
         bs, _, ny, nx, _ = p.shape
-        grid = self._grid(nx, ny, p.device, p.dtype)
+        grid = self._grid(nx, ny, p)
         stride = self.stride[i].to(p.dtype)
         anchor_px = (self.anchors[i] * self.stride[i]).view(1, self.na, 1, 1, 2).to(p.dtype)
         xy, wh, obj, cls = p.sigmoid().split((2, 2, 1, self.nc), 4)
@@ -62,17 +62,19 @@ class Detect(Head):
         wh = (wh * 2) ** 2 * anchor_px
         return torch.cat((xy, wh, cls * obj), 4).view(bs, -1, 4 + self.nc)
 
-    def _grid(self, nx: int, ny: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Cell coordinates minus 0.5, shape (1, 1, ny, nx, 2); cached since shapes repeat."""
-        key = (nx, ny, device, dtype)
-        grid = self._grids.get(key)
+    def _grid(self, nx: int, ny: int, like: torch.Tensor) -> torch.Tensor:
+        """Cell coordinates minus 0.5, shape (1, 1, ny, nx, 2), in ``like``'s dtype and device; cached
+        since shapes repeat, but not while tracing, where a cached grid would become a fixed constant."""
+        key = (nx, ny, like.device, like.dtype)
+        tracing = torch.jit.is_tracing()
+        grid = None if tracing else self._grids.get(key)
         if grid is None:
             if len(self._grids) >= GRID_CACHE:
                 self._grids.clear()
-            yv, xv = torch.meshgrid(torch.arange(ny, device=device, dtype=dtype),
-                                    torch.arange(nx, device=device, dtype=dtype), indexing="ij")
+            yv, xv = torch.meshgrid(ramp(like, ny), ramp(like, nx), indexing="ij")
             grid = (torch.stack((xv, yv), 2) - 0.5).view(1, 1, ny, nx, 2)
-            self._grids[key] = grid
+            if not tracing:
+                self._grids[key] = grid
         return grid
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> AnchorLoss:

@@ -43,6 +43,12 @@ def decode_outside_autocast(decode: Callable[[list[torch.Tensor]], torch.Tensor]
         return decode([r.float() for r in raw])
 
 
+def ramp(like: torch.Tensor, n: int) -> torch.Tensor:
+    """0, 1, ..., n - 1 in ``like``'s dtype and on its device, derived from ``like`` (not from a device
+    argument), so a traced export records no device constant and runs on any device."""
+    return like.new_ones(n).cumsum(0) - 1
+
+
 class Head(nn.Module):
     """Base class of detection heads; see the module docstring for the contract."""
 

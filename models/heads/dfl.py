@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from models.blocks import DFL, Conv, DWConv
-from models.heads.base import Head, decode_outside_autocast
+from models.heads.base import Head, decode_outside_autocast, ramp
 from models.heads.dfl_loss import DFLLoss, DFLLossGains
 from utils.core.hyp import Hyp
 
@@ -72,7 +72,7 @@ class DFLDetect(Head):
         bs = raw[0].shape[0]
         x = torch.cat([r.view(bs, self.no, -1) for r in raw], 2)  # (B, no, N)
         box, cls = x.split((4 * self.reg_max, self.nc), 1)
-        points, strides = self.anchor_points([tuple(r.shape[2:]) for r in raw], x.device, x.dtype)
+        points, strides = self._anchor_points([tuple(r.shape[2:]) for r in raw], x)
         lt, rb = self.dfl(box).chunk(2, 1)  # grid units
         x1y1, x2y2 = points - lt, points + rb
         xywh = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * strides
@@ -83,19 +83,25 @@ class DFLDetect(Head):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cell centres in grid units, (2, N) as (x + 0.5, y + 0.5), and each one's stride, (1, N),
         for levels of the given (H, W); cached per shape, since shapes repeat from batch to batch."""
-        key = (tuple(shapes), device, dtype)
-        hit = self._anchors.get(key)
+        return self._anchor_points(shapes, torch.empty(0, device=device, dtype=dtype))
+
+    def _anchor_points(self, shapes: list[tuple[int, int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``anchor_points`` in ``like``'s dtype and device, built from ``like`` so a trace records no
+        device; not cached while tracing, where a cached tensor would become a fixed constant."""
+        key = (tuple(shapes), like.device, like.dtype)
+        tracing = torch.jit.is_tracing()
+        hit = None if tracing else self._anchors.get(key)
         if hit is None:
             if len(self._anchors) >= ANCHOR_CACHE:
                 self._anchors.clear()
             points, strides = [], []
             for (h, w), s in zip(shapes, self.stride.tolist()):
-                yv, xv = torch.meshgrid(torch.arange(h, device=device, dtype=dtype),
-                                        torch.arange(w, device=device, dtype=dtype), indexing="ij")
+                yv, xv = torch.meshgrid(ramp(like, h), ramp(like, w), indexing="ij")
                 points.append(torch.stack((xv, yv)).view(2, -1) + 0.5)
-                strides.append(torch.full((1, h * w), s, device=device, dtype=dtype))
+                strides.append(like.new_full((1, h * w), s))
             hit = torch.cat(points, 1), torch.cat(strides, 1)
-            self._anchors[key] = hit
+            if not tracing:
+                self._anchors[key] = hit
         return hit
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> DFLLoss:

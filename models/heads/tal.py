@@ -19,11 +19,14 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from models.heads.chunks import cat_in_chunks
+
 TAL_TOPK = 10  # positives per GT (Ultralytics' v8DetectionLoss)
 TAL_ALPHA = 0.5  # weight of the class score in the alignment metric
 TAL_BETA = 6.0  # weight of the overlap in the alignment metric
 INSIDE_EPS = 1e-9  # an anchor centre must lie more than this inside every side of a GT
 CIOU_EPS = 1e-7
+CIOU_CHUNK = 1 << 24  # elements per (B, GTs, A) temporary of the assigner's CIoU: dense scenes go in GT slices
 
 
 # ------------------------------------------------------------------------------------ geometry
@@ -72,12 +75,21 @@ def xywh2xyxy(xywh: torch.Tensor) -> torch.Tensor:
     return torch.cat((xy - wh / 2, xy + wh / 2), -1)
 
 
-def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS) -> torch.Tensor:
+def aspect_angle(box: torch.Tensor, eps: float = CIOU_EPS) -> torch.Tensor:
+    """atan(w / (h + eps)) of xyxy boxes, as ``bbox_ciou`` computes it: computed once on each side's own
+    (unbroadcast) boxes, so a CIoU evaluated in slices gets bit-identical aspect terms."""
+    x1, y1, x2, y2 = box.unbind(-1)
+    return torch.atan((x2 - x1) / (y2 - y1 + eps))
+
+
+def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS,
+              angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Complete IoU of xyxy boxes (broadcast over leading dims) -> (...,), Ultralytics' eps placement.
 
     CIoU = IoU - centre distance^2 / enclosing diagonal^2 - alpha * v (aspect term). alpha is held
     constant for the gradient, as the CIoU paper prescribes, so v only pulls on the aspect ratio.
-    The eps added to heights keeps atan(w / h) finite for a zero-height box.
+    The eps added to heights keeps atan(w / h) finite for a zero-height box. ``angles``: both
+    boxes' ``aspect_angle``, when the caller computed them already.
     """
     b1x1, b1y1, b1x2, b1y2 = box1.unbind(-1)
     b2x1, b2y1, b2x2, b2y2 = box2.unbind(-1)
@@ -92,7 +104,8 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS) -> 
     ch = torch.maximum(b1y2, b2y2) - torch.minimum(b1y1, b2y1)
     c2 = cw.pow(2) + ch.pow(2) + eps
     rho2 = ((b2x1 + b2x2 - b1x1 - b1x2).pow(2) + (b2y1 + b2y2 - b1y1 - b1y2).pow(2)) / 4
-    v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)).pow(2)
+    a1, a2 = angles if angles is not None else (torch.atan(w1 / h1), torch.atan(w2 / h2))
+    v = (4 / math.pi**2) * (a2 - a1).pow(2)
     with torch.no_grad():
         alpha = v / (v - iou + (1 + eps))
     return iou - (rho2 / c2 + v * alpha)
@@ -164,8 +177,9 @@ class TaskAlignedAssigner:
     """
 
     def __init__(self, topk: int = TAL_TOPK, alpha: float = TAL_ALPHA, beta: float = TAL_BETA,
-                 eps: float = 1e-9, min_side: float = 0.0) -> None:
+                 eps: float = 1e-9, min_side: float = 0.0, chunk: int = CIOU_CHUNK) -> None:
         self.topk, self.alpha, self.beta, self.eps, self.min_side = topk, alpha, beta, eps, min_side
+        self.chunk = chunk
 
     @torch.no_grad()
     def __call__(
@@ -191,8 +205,7 @@ class TaskAlignedAssigner:
             return Assignment(zeros, torch.zeros_like(pd_boxes), torch.zeros_like(pd_scores),
                               torch.zeros(bs, na, dtype=torch.bool, device=device), zeros.clone())
         candidate = self.candidates(anchor_points, gt_boxes) & gt_mask[..., None]  # (B, M, A)
-        overlap = bbox_ciou(gt_boxes[:, :, None], pd_boxes[:, None]).clamp(min=0)
-        overlap = torch.where(candidate, overlap, 0)
+        overlap = self.overlaps(gt_boxes, pd_boxes, candidate)
         label = gt_labels[..., None].expand(bs, m, na)
         score = pd_scores.transpose(1, 2).gather(1, label)  # (B, M, A): each anchor's score for the GT's class
         metric = torch.where(candidate, score.pow(self.alpha) * overlap.pow(self.beta), 0)
@@ -212,6 +225,23 @@ class TaskAlignedAssigner:
         boxes = gt_boxes.gather(1, gt_index[..., None].expand(bs, na, 4))
         scores = torch.zeros_like(pd_scores).scatter_(-1, labels[..., None], norm[..., None])
         return Assignment(labels, boxes, scores, fg, gt_index)
+
+    def overlaps(self, gt_boxes: torch.Tensor, pd_boxes: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+        """(B, M, A) CIoU of each GT with each predicted box, clamped at 0, and 0 off the candidates.
+
+        CIoU makes a dozen (B, M, A) temporaries, so it runs over slices of about ``chunk`` / (B * A) GTs:
+        a dense scene does not run out of memory, and the values are those of one pass (elementwise
+        work, with the aspect angles computed once on the unsliced boxes).
+        """
+        bs, m, na = candidate.shape
+        gt, pd = gt_boxes[:, :, None], pd_boxes[:, None]
+        gt_angle, pd_angle = aspect_angle(gt), aspect_angle(pd)
+
+        def part(s: slice) -> torch.Tensor:
+            ciou = bbox_ciou(gt[:, s], pd, angles=(gt_angle[:, s], pd_angle)).clamp(min=0)
+            return torch.where(candidate[:, s], ciou, 0)
+
+        return cat_in_chunks(part, m, self.chunk // max(bs * na, 1))
 
     def candidates(self, anchor_points: torch.Tensor, gt_boxes: torch.Tensor) -> torch.Tensor:
         """(B, M, A) bool: anchor centre strictly inside the GT (by eps), sides floored to min_side."""

@@ -54,3 +54,11 @@ def _is_glibc() -> bool:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError, AttributeError):
         return False
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, cgroup cpusets, SLURM's binding),
+    which os.cpu_count() ignores, so workers and threads are not sized for cores the rank cannot use."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils.core import watchdog
+from utils.core.cpu import usable_cpus
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
@@ -89,7 +90,7 @@ def first_slurm_host(nodelist: str) -> str:
 def set_cpu_threads(info: DistInfo, requested: int = 0) -> int:
     """Intra-op threads for this rank: ``requested``, else torch's current count capped so that the
     node's ranks x threads <= its cores (several CPU ranks must not oversubscribe the machine)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()
     n = requested if requested > 0 else min(torch.get_num_threads(), max(1, cores // max(info.local_world_size, 1)))
     torch.set_num_threads(n)
     return n
@@ -138,34 +139,20 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 
 def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None = None) -> torch.device:
-    """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', '0', '0,1', 'cuda:0'.
+    """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', 'cuda', '0', '0,1', 'cuda:1'.
 
-    Under torchrun each rank takes ``cuda:LOCAL_RANK`` among the visible devices. A device that
-    is not there, or a global batch size that the world size does not divide, is a UserError.
+    Indices count the devices this process sees (CUDA_VISIBLE_DEVICES). A device that is not there,
+    one listed twice, or a global batch size that the world size does not divide, is a UserError.
     """
     info = info or dist_info()
-    spec = str(device).strip().lower().replace("cuda:", "").replace(" ", "")
+    spec = str(device).strip().lower().replace(" ", "")
     if spec == "cpu" or (spec == "" and not torch.cuda.is_available()):
         chosen = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
             raise UserError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
-        if spec:
-            ids = [s for s in spec.split(",") if s]
-            if not all(s.isdigit() for s in ids):
-                raise UserError(f"--device {device}: expected 'cpu' or CUDA indices like '0' or '0,1'")
-            n = torch.cuda.device_count()
-            missing = [s for s in ids if int(s) >= n]
-            if missing:
-                raise UserError(f"--device {device}: no CUDA device {','.join(missing)} (this machine has {n})")
-            if info.distributed and len(ids) < info.local_world_size:
-                raise UserError(f"--device {device}: {len(ids)} device(s) for {info.local_world_size} ranks on this node")
-            index = int(ids[info.local_rank if info.distributed else 0])
-        else:
-            index = info.local_rank if info.distributed else 0
-            if index >= torch.cuda.device_count():
-                raise UserError(f"local rank {index} has no CUDA device ({torch.cuda.device_count()} visible)")
-        chosen = torch.device("cuda", index)
+        ids = _device_ids(device, spec)
+        chosen = torch.device("cuda", _cuda_index(device, ids, info, torch.cuda.device_count()))
         torch.cuda.set_device(chosen)
     if batch_size and batch_size % info.world_size:
         raise UserError(f"--batch-size {batch_size} must be a multiple of the world size {info.world_size}")
@@ -178,6 +165,49 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
             LOGGER.info(f"torch {torch.__version__} CPU ({torch.get_num_threads()} threads per rank)"
                         f" x {info.world_size} rank(s)")
     return chosen
+
+
+def _device_ids(device: str, spec: str) -> list[int] | None:
+    """The CUDA indices of a --device string ('0,1', 'cuda:1'), None for '' or 'cuda' (any visible)."""
+    if spec in ("", "cuda"):
+        return None
+    ids = [s.removeprefix("cuda:") for s in spec.split(",") if s]
+    if not ids or not all(s.isdigit() for s in ids):
+        raise UserError(f"--device {device}: expected 'cpu', 'cuda' or CUDA indices like '0', '0,1' or 'cuda:1'")
+    twice = sorted({s for s in ids if ids.count(s) > 1}, key=int)
+    if twice:
+        raise UserError(f"--device {device}: device {','.join(twice)} is listed more than once "
+                        "(each rank needs a GPU of its own)")
+    return [int(s) for s in ids]
+
+
+def _cuda_index(device: str, ids: list[int] | None, info: DistInfo, n: int) -> int:
+    """This rank's index among the ``n`` visible devices: --device's list indexed by local rank (its
+    first entry for a single process), else the local rank itself. When each rank sees fewer
+    devices than the node has ranks because the launcher masked them per rank (CUDA_VISIBLE_DEVICES,
+    as srun --gpus-per-task does), the local rank wraps around the devices this rank sees."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    seen = f" (CUDA_VISIBLE_DEVICES={mask})" if mask else ""
+    missing = [str(i) for i in ids or [] if i >= n]
+    if missing:
+        raise UserError(f"--device {device}: no CUDA device {','.join(missing)}: this process sees {n}{seen}, "
+                        "and --device indices count the devices it sees")
+    local, ranks = info.local_rank, info.local_world_size
+    per_rank_mask = info.distributed and n < ranks and bool(mask)
+    if not info.distributed:
+        if ids and len(ids) > 1:
+            LOGGER.warning(f"WARNING: --device {device}: one process uses one device, cuda:{ids[0]}; for "
+                           f"data-parallel work on {len(ids)} GPUs start one process per device with "
+                           f"torchrun --nproc_per_node {len(ids)}")
+        return ids[0] if ids else 0
+    if ids is not None and len(ids) < ranks and not per_rank_mask:
+        raise UserError(f"--device {device}: {len(ids)} device(s) for {ranks} ranks on this node")
+    if ids is None and n < ranks and not per_rank_mask:
+        raise UserError(f"local rank {local} has no CUDA device ({n} visible for {ranks} ranks on this node): start "
+                        f"one rank per GPU (torchrun --nproc_per_node {n}), or let the launcher give each rank its "
+                        "own GPUs through CUDA_VISIBLE_DEVICES (srun --gpus-per-task=1)")
+    choices = list(range(n)) if ids is None else ids
+    return choices[local % len(choices)]  # local < len(choices) unless the devices are masked per rank
 
 
 def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float = 0.0) -> None:

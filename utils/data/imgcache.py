@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from utils.core import watchdog
+from utils.core.cpu import usable_cpus
 from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
@@ -47,6 +48,8 @@ from utils.data.labels import img2label_paths
 CACHE_VERSION = 1
 MODES = ("ram", "disk")
 SHM = Path("/dev/shm")
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max at its root (a container's own); v1: under memory/
 MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
 
 ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
@@ -78,15 +81,33 @@ def images_hash(im_files: Sequence[str], img_size: int, augment: bool) -> str:
 
 
 def available_ram() -> int:
-    """Bytes of RAM available now: MemAvailable (counts reclaimable page cache), else SC_AVPHYS_PAGES."""
+    """Bytes of RAM available now: MemAvailable (counts reclaimable page cache), else SC_AVPHYS_PAGES, capped
+    by this container's cgroup memory limit (the kernel OOM-kills past it, however much the host has free)."""
+    host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        host = next(int(line.split()[1]) * 1024 for line in MEMINFO.read_text().splitlines()
+                    if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    room = cgroup_room()
+    return host if room is None else min(host, room)
+
+
+def cgroup_room() -> int | None:
+    """Bytes left under the cgroup memory limit (limit - usage + reclaimable inactive page cache), or None
+    when unlimited or unreadable: v2's memory.max / memory.current, else v1's memory.limit_in_bytes."""
+    for folder, limit, usage, inactive in ((CGROUP, "memory.max", "memory.current", "inactive_file"),
+                                           (CGROUP / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                            "total_inactive_file")):
+        try:
+            text = (folder / limit).read_text().strip()
+            if text == "max" or int(text) >= 1 << 60:  # v1 writes "unlimited" as a page-rounded 2^63
+                return None
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+            return max(0, int(text) - int((folder / usage).read_text()) + int(stat.get(inactive, 0)))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def free_bytes(folder: Path, mode: str) -> tuple[int, str]:
@@ -235,13 +256,17 @@ def _paths(folder: Path, family: str, split: str, hash_: str, mode: str) -> tupl
     return folder / f"{stem}.imgcache.npy", folder / f"{stem}.imgcache.index.npz"
 
 
-def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str) -> None:
+def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str, workers_shm: int = 0) -> None:
+    """Refuse a cache that would not leave the margin free; for ram, the margin also holds the batches the
+    node's DataLoader workers pass through /dev/shm (``workers_shm``), which would otherwise SIGBUS."""
     have, where = free_bytes(folder, mode)
-    margin = max(MARGIN_FRACTION * need, MARGIN_BYTES)
+    workers_shm = workers_shm if mode == "ram" else 0
+    margin = max(MARGIN_FRACTION * need, MARGIN_BYTES) + workers_shm
     if need + margin > have:
         other = "--cache disk or no cache" if mode == "ram" else "a cache folder on a bigger disk, or no cache"
+        loaders = f", {_gb(workers_shm)} of it for the loader workers' shared-memory batches" if workers_shm else ""
         raise UserError(f"--cache {mode} needs {_gb(need)} for {n} images at {img_size} px but only {_gb(have)} "
-                        f"{where} ({_gb(margin)} must stay free); use {other}")
+                        f"{where} ({_gb(margin)} must stay free{loaders}); use {other}")
 
 
 def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: bool, hash_: str,
@@ -306,12 +331,13 @@ def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
 def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str,
                   cache_dir: Path | None = None, local_rank: int = 0, num_threads: int | None = None, *,
                   image_hw: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
-                  prefix: str = "") -> ImageCache:
+                  prefix: str = "", workers_shm: int = 0) -> ImageCache:
     """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
 
     ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate.
     ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
-    label cache. Must be called by every rank, with the same ``im_files`` in the same order.
+    label cache. ``workers_shm``: bytes the node's loader workers keep in /dev/shm (``loader_shm_bytes``).
+    Must be called by every rank, with the same ``im_files`` in the same order.
     """
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
@@ -334,10 +360,10 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
                 raise ValueError(f"image_hw has {len(sizes)} rows for {len(im_files)} images")
             need = sum(h * w * 3 for h, w in (resized_shape(int(h), int(w), img_size)
                                               for h, w in sizes if w > 0 and h > 0))
-            _check_room(need, len(im_files), img_size, folder, mode)
+            _check_room(need, len(im_files), img_size, folder, mode, workers_shm)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
-            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, os.cpu_count() or 1))
+            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, usable_cpus()))
             cache.built = True
             _remove_stale(folder, file, family, mode)
             LOGGER.info(f"{prefix}Cached {len(im_files)} images in {time.time() - t0:.1f}s")
@@ -347,6 +373,11 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
         raise UserError(f"{file}: image cache missing or incomplete after local rank 0 built it "
                         f"(is {folder} shared by the ranks of this node?)")
     return cache
+
+
+def loader_shm_bytes(ranks: int, workers: int, batch_size: int, img_size: int, prefetch: int = 2) -> int:
+    """/dev/shm held by the node's loader workers: each passes ``prefetch`` uint8 batches (mosaic's size) to its rank."""
+    return ranks * workers * prefetch * batch_size * 3 * img_size * img_size
 
 
 def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from utils.core import watchdog
 from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
+from utils.core.cpu import usable_cpus
 from utils.core.errors import UserError
 from utils.data.images import IMG_SUFFIXES, verify_image
 
@@ -204,7 +205,7 @@ def scan_labels(img_files: Sequence[str], label_files: Sequence[str], nc: int,
 
     Threads suffice: image decoding releases the GIL. Nothing on disk is written or changed.
     """
-    workers = num_workers or min(8, os.cpu_count() or 1)
+    workers = num_workers or min(8, usable_cpus())
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = list(watchdog.beats(pool.map(lambda pair: _verify_pair(pair[0], pair[1], nc),
                                                zip(img_files, label_files))))  # each file is progress

@@ -16,13 +16,14 @@ import cv2
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
 from utils.data.geometry import Placement
-from utils.data.imgcache import build_or_open
+from utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
 class Batch(NamedTuple):
@@ -138,17 +139,24 @@ def _worker_init(_worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def pins_by_default() -> bool:
+    """Pin batches only in a process that already uses CUDA (select_device set its GPU): pinning opens a CUDA
+    context, on GPU 0, which a --device cpu run on a GPU host must not do in every rank."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),
                       single_cls: bool = False, hyp: Hyp | None = None, augment: bool = False,
                       cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
                       shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
-                      prefix: str = "", report_dir: Path | None = None) -> DataLoader:
+                      prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None) -> DataLoader:
     """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank.
 
     The dataset is ``loader.dataset``. ``shuffle=True`` marks a training loader (TrainSampler, equal
     batch count on every rank, and a split without any label is an error); otherwise evaluation
     (InferenceSampler; no labels is a warning). Local rank 0 scans and caches first. ``report_dir``:
-    the run folder, where rank 0 writes the full list of the split's problems.
+    the run folder, where rank 0 writes the full list of the split's problems. ``pin_memory``: page-locked
+    batches for CUDA; by default only once this process uses CUDA (``pins_by_default``).
     """
     training = shuffle
     if rect and shuffle:
@@ -168,12 +176,13 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
             error = e           # every rank reaches it and names the problem itself, not "rank 0 failed"
     if error is not None:
         raise error
-    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
-        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
-                                         image_hw=dataset.image_hw, path=path, prefix=prefix)
     batch_size = min(batch_size, len(dataset))
     ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
-    nw = min((os.cpu_count() or 1) // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
+    nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
+    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
+        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
+                                         image_hw=dataset.image_hw, path=path, prefix=prefix,
+                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz))
     if training:
         sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,
                                         drop_last=rect and info.world_size > 1)
@@ -182,5 +191,5 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw,
-                      pin_memory=torch.cuda.is_available(), collate_fn=collate_fn,
+                      pin_memory=pins_by_default() if pin_memory is None else pin_memory, collate_fn=collate_fn,
                       persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None)

@@ -124,6 +124,7 @@ def export_all(reference: TorchBackend, formats: list[str], opts: ExportOptions,
     ``reference`` must not have run yet: the exported graph is copied from it first, so the heads'
     grid caches are empty when traced.
     """
+    check_half_onnx(formats, opts)
     weights = Path(reference.meta.source)
     graph = DecodedOnly(copy.deepcopy(reference.model)).eval()
     if opts.half:
@@ -135,6 +136,19 @@ def export_all(reference: TorchBackend, formats: list[str], opts: ExportOptions,
     example = torch.zeros(opts.batch, 3, opts.imgsz, opts.imgsz, device=device,
                           dtype=torch.float16 if opts.half else torch.float32)
     return [export_one(fmt, weights, graph, example, meta, opts, reference, batches, device) for fmt in formats]
+
+
+def check_half_onnx(formats: list[str], opts: ExportOptions) -> None:
+    """--half ONNX must be checked on CUDA: without onnxruntime's CUDA provider the FP16 graph would be run
+    and judged on the CPU instead, a silent fallback that checks another path than the one shipped."""
+    if not (opts.half and "onnx" in formats):
+        return
+    ort = require("onnxruntime", "checking the ONNX export")
+    providers = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in providers:
+        raise UserError(f"--half --include onnx: onnxruntime {getattr(ort, '__version__', '')} has no CUDA provider "
+                        f"here (only {', '.join(providers)}), so the FP16 export cannot be checked on the GPU; "
+                        "pip install onnxruntime-gpu, or export ONNX without --half")
 
 
 def export_one(fmt: str, weights: Path, graph: nn.Module, example: torch.Tensor, meta: ModelMeta,

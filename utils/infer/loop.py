@@ -10,7 +10,6 @@ detections, and so every file, are the same for any world size. What was done is
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.data.loader import InferenceSampler
@@ -70,7 +70,7 @@ def image_loader(files: list[str], settings: ShardSettings, keep_original: bool,
     dataset = LetterboxedImages(files, settings.imgsz, keep_original)
     batch_size = min(settings.batch_size, len(files))
     ranks_here = info.local_world_size if info.world_size > 1 else 1
-    nw = min((os.cpu_count() or 1) // max(ranks_here, 1), batch_size if batch_size > 1 else 0, settings.workers)
+    nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, settings.workers)
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers (utils/data/loader.py)
     return DataLoader(dataset, batch_size=batch_size, num_workers=nw, collate_fn=collate_items,

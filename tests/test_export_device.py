@@ -1,0 +1,107 @@
+"""Exports run on any device: the traced heads record no device constant (CPU twin: trace on CPU,
+inspect the saved graph, run it on the meta device where the weights allow), and a CUDA trace runs
+on the CPU; an FP16 ONNX export without onnxruntime's CUDA provider is refused, not run on the CPU."""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.yolo import Model
+from utils.core.errors import UserError
+from utils.infer.backends import ModelMeta
+from utils.infer.export import DecodedOnly, ExportOptions, check_half_onnx, export_all, write_torchscript
+
+CFGS = {"anchor": "models/yolov5n.yaml", "anchor-free": "models/yolov8n.yaml"}
+
+
+def _export(family: str, path: Path, device: str = "cpu", hw: tuple[int, int] = (64, 64)) -> tuple[Model, Path]:
+    torch.manual_seed(0)
+    model = Model(CFGS[family], nc=3).fuse().eval().to(device)
+    meta = ModelMeta(names=("a", "b", "c"), stride=32, imgsz=hw[1], family=family, format="torchscript")
+    write_torchscript(DecodedOnly(model).eval(), torch.zeros(1, 3, *hw, device=device), path, meta)
+    return model, path
+
+
+def _load(path: Path, device: str = "cpu") -> torch.jit.ScriptModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.load(str(path), map_location=device)
+
+
+def device_constants(module: torch.jit.ScriptModule) -> list[str]:
+    """Every device the saved graph names as a constant (what a trace bakes in from ``device=`` arguments)."""
+    return re.findall(r'Device = prim::Constant\[value="([^"]+)"\]', str(module.inlined_graph))
+
+
+def test_the_detector_finds_a_baked_device():
+    """The inspection can fail: a traced ``device=x.device`` is a Device constant in the graph."""
+    def grid(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert device_constants(torch.jit.trace(grid, torch.zeros(2, 3))) == ["cpu"]
+
+
+@pytest.mark.parametrize("family", CFGS)
+def test_a_cpu_trace_names_no_device_and_matches_eager(family, tmp_path, one_thread):
+    model, path = _export(family, tmp_path / "m.torchscript")
+    traced = _load(path)
+    assert device_constants(traced) == []
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(traced(x), model(x)[0])
+
+
+@pytest.mark.parametrize("family", CFGS)
+def test_the_heads_cache_no_grid_into_a_trace(family, tmp_path, one_thread):
+    """A model that already ran (its grid caches full) still traces the grids as operations, not constants."""
+    torch.manual_seed(0)
+    model = Model(CFGS[family], nc=3).fuse().eval()
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 64, 64))
+    meta = ModelMeta(names=("a", "b", "c"), stride=32, imgsz=64, family=family, format="torchscript")
+    write_torchscript(DecodedOnly(model).eval(), torch.zeros(1, 3, 64, 64), tmp_path / "m.torchscript", meta)
+    graph = str(_load(tmp_path / "m.torchscript").inlined_graph)
+    assert "aten::cumsum" in graph and device_constants(_load(tmp_path / "m.torchscript")) == []
+
+
+def test_a_cpu_trace_runs_on_the_meta_device(tmp_path, one_thread):
+    """The anchor-free graph takes its strides as numbers, so with a meta input nothing in it is on the CPU.
+    (The anchor head multiplies by its anchor buffers, which stay on the CPU: there the graph text is the proof.)"""
+    _, path = _export("anchor-free", tmp_path / "m.torchscript")
+    out = _load(path)(torch.zeros(2, 3, 64, 96, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 8 * 12 + 4 * 6 + 2 * 3, 7)  # cells at strides 8, 16, 32
+
+
+@pytest.mark.parametrize("providers, refused", [(["CPUExecutionProvider"], True),
+                                                (["CUDAExecutionProvider", "CPUExecutionProvider"], False)])
+def test_half_onnx_needs_onnxruntimes_cuda_provider(monkeypatch, providers, refused):
+    ort = pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: providers)
+    half = ExportOptions(imgsz=64, batch=1, half=True)
+    check_half_onnx(["torchscript"], half)  # TorchScript FP16 runs on CUDA through torch itself
+    check_half_onnx(["onnx"], ExportOptions(imgsz=64, batch=1))  # FP32 ONNX runs anywhere
+    if refused:
+        with pytest.raises(UserError, match=r"--half --include onnx: onnxruntime .*has no CUDA provider here "
+                                            r"\(only CPUExecutionProvider\).*onnxruntime-gpu"):
+            export_all(None, ["torchscript", "onnx"], half, torch.device("cuda", 0), [])  # before any work
+    else:
+        check_half_onnx(["onnx"], half)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", CFGS)
+def test_a_cuda_trace_runs_on_the_cpu_and_another_gpu(family, tmp_path):
+    model, path = _export(family, tmp_path / "m.torchscript", device="cuda:0")
+    assert device_constants(_load(path, "cpu")) == []
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x.cuda())[0].cpu()
+        assert torch.allclose(_load(path, "cpu")(x), want, atol=1e-3, rtol=1e-3)
+        if torch.cuda.device_count() > 1:
+            assert torch.allclose(_load(path, "cuda:1")(x.to("cuda:1")).cpu(), want, atol=1e-3, rtol=1e-3)
