@@ -28,8 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, add_device_flags, \
-    add_local_rank_flag, add_run_folder_flags, add_workers_flag
+from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
+    add_device_flags, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
@@ -84,12 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_opt(opt: argparse.Namespace) -> argparse.Namespace:
-    """YOLOv5's task rules: speed scores the val split at conf 0.25 / IoU 0.45 and saves nothing."""
+def check_opt(opt: argparse.Namespace) -> ResolvedArgs:
+    """The arguments with YOLOv5's task rules applied (speed scores the val split at conf 0.25 / IoU 0.45 and
+    saves nothing), frozen."""
+    opt = ResolvedArgs(**vars(opt))
     if opt.task == "speed":
         if opt.save_txt or opt.save_json:
             LOGGER.warning("--task speed saves nothing: --save-txt and --save-json are ignored")
-        opt.conf_thres, opt.iou_thres, opt.save_txt, opt.save_json, opt.noplots = 0.25, 0.45, False, False, True
+        opt = opt.replace(conf_thres=0.25, iou_thres=0.45, save_txt=False, save_json=False, noplots=True)
         LOGGER.info("speed: timing the val split at conf 0.25, IoU 0.45 (YOLOv5's speed settings); nothing is saved")
     elif opt.conf_thres > 0.001:
         LOGGER.warning(f"WARNING: --conf-thres {opt.conf_thres} > 0.001 lowers mAP (COCO scores every detection)")
@@ -103,9 +105,9 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
-    check_opt(opt)
+    opt = check_opt(opt)
     device = dist.select_device(opt.device, info=info)
-    opt.channels_last = dist.channels_last_default(opt.channels_last, device)
+    opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device))
     dist.init_distributed(info, device)  # no tune_malloc: rect batches vary in shape, and the kept heap grew peak RSS
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     try:

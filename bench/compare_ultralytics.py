@@ -37,8 +37,8 @@ so --workers defaults to 0 and ours gets the same number, both loading in the tr
 Method: each tool runs inside a small timing shim (written to the work dir, run with that tool's
 interpreter) that calls the tool's own entry point unchanged (ours: train.cli / val.main;
 Ultralytics: ultralytics.cfg.entrypoint, i.e. the `yolo` command) and records wall-clock stamps:
-  ours         train.train_one_epoch and train.evaluate_model are wrapped (train.py calls both by
-               those module-level names; evaluate_model is the validation pass)
+  ours         utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both
+               by those module-level names; evaluate_model is the validation pass)
   ultralytics  'on_train_epoch_start' / 'on_train_epoch_end' callbacks (added to its default
                callbacks, which every model copies) and BaseValidator.__call__ (every validation)
 so "train s/epoch" is the batch loop of one epoch and "val s/epoch" the validation pass after it
@@ -132,13 +132,14 @@ if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
     import train
+    from utils.engine import loop
     def setup(t):
         facts.update(optimizer=describe_optimizer(t.optimizer), params=n_params(t.model),
                      train_workers=t.train_loader.num_workers, val_workers=t.val_loader.num_workers,
                      mosaic_off_from_epoch=t.train_loader.sampler.mosaic_off_from_epoch, mosaic=float(t.hyp.mosaic))
     wrap(train, "build_training", "setup", setup)
-    wrap(train, "train_one_epoch", "train")
-    wrap(train, "evaluate_model", "val")
+    wrap(loop, "train_one_epoch", "train")  # called by name from loop.run_epochs
+    wrap(loop, "evaluate_model", "val")  # ... and from loop.validate
     rc = train.cli(argv)
     save()
     sys.exit(rc)

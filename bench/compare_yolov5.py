@@ -27,7 +27,7 @@ after every epoch (val batch 32 = YOLOv5's 2 x batch), autoanchor on in both.
 
 Method: each tool runs inside a small timing shim (written to the work dir, run with that tool's
 interpreter) that calls the tool's own entry point unchanged and records wall-clock stamps:
-  ours    train.train_one_epoch and train.evaluate_model are wrapped (train.py calls both by
+  ours    utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both by
           those module-level names; evaluate_model is utils/eval/evaluate.py's, the validation pass)
   yolov5  its Callbacks 'on_train_epoch_start' / 'on_train_epoch_end' hooks, and yolov5.val.run
 so "train s/epoch" is the batch loop of one epoch and "val s/epoch" the validation pass after it
@@ -94,8 +94,9 @@ if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
     import torch, train
-    wrap(train, "train_one_epoch", "train")
-    wrap(train, "evaluate_model", "val")
+    from utils.engine import loop
+    wrap(loop, "train_one_epoch", "train")  # called by name from loop.run_epochs
+    wrap(loop, "evaluate_model", "val")  # ... and from loop.validate
     rc = train.cli(argv)
     save({"threads": torch.get_num_threads()})
     sys.exit(rc)

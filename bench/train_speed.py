@@ -239,16 +239,14 @@ def model_name(size: str) -> str:
 
 def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
     """Build train.py's set-up for one model and image size (``build_training``), and time its steps."""
-    from utils.core import dist
+    from utils.engine.config import Resume, resolve_config
     from utils.engine.setup import build_training
 
     with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
-        targs = train_opt(size, imgsz, opt, project)
-        targs.channels_last = dist.channels_last_default(targs.channels_last, device)  # as train.py resolves them
-        targs.amp = dist.amp_default(targs.amp, device)
-        t = build_training(targs, info, device, ckpt=None)
+        cfg = resolve_config(Resume(vars(train_opt(size, imgsz, opt, project))), device)  # as train.py resolves it
+        t = build_training(cfg, info, device)
         # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
-        t.train_loader.sampler.mosaic_off_from_epoch = None
+        t.train_loader.sampler.load_state_dict({"mosaic_off_from_epoch": None})
         try:
             return time_steps(t, size, opt)
         finally:
@@ -266,7 +264,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     accumulate = opt.accumulate or t.accumulate
     # whole accumulation cycles, so the timed window holds its fair share of optimizer steps
     warmup_steps, steps = (-(-n // accumulate) * accumulate for n in (opt.warmup, opt.steps))
-    gflops = t.model_info.gflops * (t.imgsz / t.opt.imgsz) ** 2  # forward, per image (thop), at the size trained
+    gflops = t.model_info.gflops * (t.imgsz / t.cfg.imgsz) ** 2  # forward, per image (thop), at the size trained
     model.train()
     sync = _syncer(device, not opt.no_sync)
     totals = dict.fromkeys(PHASES, 0.0)
@@ -326,7 +324,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                   threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
                   steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type,
-                  layout="NHWC" if t.opt.channels_last else "NCHW",
+                  layout="NHWC" if t.cfg.channels_last else "NCHW",
                   precision={torch.bfloat16: "bf16", torch.float16: "fp16"}[dist.amp_dtype(device)] if t.amp else "fp32")
 
 

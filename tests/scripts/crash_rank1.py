@@ -8,16 +8,17 @@ import os
 import sys
 
 import train
+from utils.engine import loop
 
-real_epoch = train.train_one_epoch
+real_epoch = loop.train_one_epoch
 
 
-def failing_epoch(t, state, *args, **kwargs):
+def failing_epoch(t, *args, **kwargs):
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
-    if first_attempt and t.info.rank == 1 and state.epoch == 1:
+    if first_attempt and t.info.rank == 1 and t.state.epoch == 1:
         raise RuntimeError("simulated worker failure on rank 1")
-    return real_epoch(t, state, *args, **kwargs)
+    return real_epoch(t, *args, **kwargs)
 
 
-train.train_one_epoch = failing_epoch
+loop.train_one_epoch = failing_epoch
 sys.exit(train.cli(sys.argv[1:]))

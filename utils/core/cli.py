@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import FrozenInstanceError
 from pathlib import Path
-from typing import NoReturn, Union
+from typing import Any, NoReturn, Union
 
 Number = Union[int, float]
 
@@ -164,3 +165,25 @@ def check_defaults(parser: argparse.ArgumentParser) -> list[str]:
                 bad.append(_name(action))
     return bad
 
+
+
+class ResolvedArgs(argparse.Namespace):
+    """A CLI's arguments once resolved (defaults that depend on the device or a checkpoint filled in):
+    read-only, so every later stage sees what was decided. Setting an attribute raises FrozenInstanceError."""
+
+    def __init__(self, **values: Any) -> None:
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"the arguments are frozen once resolved; cannot set {name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"the arguments are frozen once resolved; cannot delete {name}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def replace(self, **changes: Any) -> ResolvedArgs:
+        """A copy with ``changes`` (the original stays as it was)."""
+        return type(self)(**{**vars(self), **changes})

@@ -8,7 +8,7 @@ the config; what changes during a run (--time's epoch count) lives in the run st
 from __future__ import annotations
 
 import argparse
-from dataclasses import FrozenInstanceError, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,13 @@ import torch
 
 from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
 from utils.core import dist
+from utils.core.cli import ResolvedArgs
 from utils.core.errors import UserError
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
 from utils.engine.state import SavedRun
-from utils.weights.checkpoint import load_checkpoint, to_plain
+from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
 DEFAULT_HYP = ROOT / "hyps" / "hyp.scratch-low.yaml"  # anchor-based heads (YOLOv5)
@@ -34,24 +35,8 @@ RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_t
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
-class RunConfig(argparse.Namespace):
-    """Every train.py argument, resolved; read-only (setting an attribute raises FrozenInstanceError)."""
-
-    def __init__(self, **values: Any) -> None:
-        for k, v in values.items():
-            object.__setattr__(self, k, v)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise FrozenInstanceError(f"the run config is frozen once resolved; cannot set {name}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"the run config is frozen once resolved; cannot delete {name}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def replace(self, **changes: Any) -> RunConfig:
-        return RunConfig(**{**vars(self), **changes})
+class RunConfig(ResolvedArgs):
+    """Every train.py argument, resolved once; read-only (setting an attribute raises FrozenInstanceError)."""
 
 
 @dataclass(frozen=True)
@@ -125,12 +110,12 @@ def resolve_config(resume: Resume, device: torch.device) -> RunConfig:
                         "amp": dist.amp_default(args["amp"], device, legacy=saved is not None and "amp" not in saved.args)})
 
 
-def model_source(cfg: argparse.Namespace, weights: dict | None) -> str | Path | dict:
+def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
     """The model a fresh run builds: --cfg, else the --weights checkpoint's yaml, else the default."""
-    return cfg.cfg or (weights["model_yaml"] if weights else DEFAULT_MODEL)
+    return cfg.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
 
 
 def anchored_model(args: dict[str, Any]) -> bool:
     """Whether a fresh run's model has an anchor head (YOLOv5), which picks its family's hyp file."""
-    weights = load_checkpoint(args["weights"]) if args["weights"] and not args["cfg"] else None
+    weights = load_weights_source(args["weights"]) if args["weights"] and not args["cfg"] else None
     return head_has_anchors(load_model_yaml(model_source(argparse.Namespace(**args), weights))[0])

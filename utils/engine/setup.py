@@ -31,7 +31,7 @@ from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEM
     accumulate_steps, choose_optimizer, smart_optimizer
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState, SavedRun
-from utils.weights.checkpoint import load_checkpoint, to_plain
+from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Training:
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,
                    started: float | None = None) -> Training:
     """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> DDP."""
-    source = load_checkpoint(cfg.weights) if cfg.weights and not saved else None  # read once: --weights to fine-tune
+    source = load_weights_source(cfg.weights) if cfg.weights and not saved else None  # --weights to fine-tune
     anchored = saved is not None or head_has_anchors(load_model_yaml(model_source(cfg, source))[0])
     hyp = Hyp(**saved.hyp) if saved else load_hyp(cfg.hyp)
     na = anchors_per_level(hyp.anchors, cfg.hyp, cfg.noautoanchor) if not saved and anchored else None  # YOLOv5's
@@ -150,7 +150,7 @@ def load_data(opt: RunConfig, info: DistInfo) -> tuple[DataConfig, list[str]]:
     return data, (["item"] if opt.single_cls else data.names)
 
 
-def build_model(opt: RunConfig, saved: SavedRun | None, source: dict | None, nc: int, anchors: list | None,
+def build_model(opt: RunConfig, saved: SavedRun | None, source: WeightsSource | None, nc: int, anchors: list | None,
                 na: int | None, device: torch.device) -> tuple[Model, ModelInfo]:
     """The model to train, identical on every rank: a resumed run's own, or one built from --cfg
     (or --weights' yaml) with the seed, and the tensors of --weights that fit transferred."""
@@ -161,7 +161,7 @@ def build_model(opt: RunConfig, saved: SavedRun | None, source: dict | None, nc:
     else:
         model = Model(model_source(opt, source), nc=nc, anchors=anchors, na=na)
         if source:
-            transfer_weights(model, source.get("ema") or source["model"], opt.weights)
+            transfer_weights(model, source.weights, opt.weights)
     model = model.to(device)
     freeze_layers(model, opt.freeze)
     model.to(memory_format=torch.channels_last if opt.channels_last else torch.contiguous_format)

@@ -145,12 +145,30 @@ def checkpoint_card(ckpt: dict[str, Any], nc: int, where: str | Path) -> Checkpo
                           converted_weights=converted.get("weights") if isinstance(converted, dict) else None)
 
 
+@dataclass(frozen=True)
+class WeightsSource:
+    """A checkpoint a fresh run starts from (train.py --weights): the model it holds and the weights to transfer."""
+
+    path: Path
+    model_yaml: dict[str, Any]
+    weights: dict[str, torch.Tensor]  # the EMA's, else the raw model's
+
+
+def load_weights_source(path: str | Path) -> WeightsSource:
+    ckpt = load_checkpoint(path)
+    return WeightsSource(Path(path), ckpt["model_yaml"], _inference_weights(ckpt))
+
+
+def _inference_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return ckpt.get("ema") or ckpt["model"]
+
+
 def load_model(weights: str | Path, device: torch.device) -> tuple[Model, CheckpointCard]:
     """Rebuild the model from a checkpoint's yaml and load its EMA weights (raw ones if no EMA), in eval
     mode, with the checkpoint's card: what inference reads of the file besides the weights."""
     ckpt = load_checkpoint(weights)
     model = Model(ckpt["model_yaml"])
-    state = ckpt.get("ema") or ckpt["model"]
+    state = _inference_weights(ckpt)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:

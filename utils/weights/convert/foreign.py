@@ -2,18 +2,16 @@
 
 ``reader.py`` turns the file into inert records; this module says what they mean, the way each
 package's own loader would: the weights are ``ckpt.get("ema") or ckpt["model"]`` (both packages),
-the model's ``yaml`` dict and ``names`` are attributes of the recorded model, the state dict is
-the walk ``nn.Module.state_dict`` makes (parameters, persistent buffers, then children).
+the model's ``yaml`` and ``names`` are attributes of the recorded model, and the state dict is the
+walk ``nn.Module.state_dict`` makes (parameters, persistent buffers, then children).
 
 The file's yaml is rewritten for our registry (Ultralytics' anchor-free ``Detect`` is our
-``DFLDetect``; YOLOv5's anchors come from the trained ``anchors`` buffer, which autoanchor may
-have changed since the yaml was written), our model is built from it, and then:
-
-- module by module, the classes and the settings that shape the output without showing in any
-  tensor (strides, padding, groups, BatchNorm eps, residual adds, attention heads) must agree;
-- tensor by tensor, every name must exist on both sides with the same shape: a missing or an
-  unexpected tensor is an error naming it. The head's ``stride``, a plain attribute in both
-  packages but a buffer here, is taken from the recorded head.
+``DFLDetect``; YOLOv5's anchors come from the trained ``anchors`` buffer, which autoanchor may have
+changed), our model is built from it, and then, module by module, the classes and the settings that
+shape the output without showing in any tensor (strides, padding, groups, BatchNorm eps, residual
+adds, attention heads) must agree, and tensor by tensor every name must exist on both sides with the
+same shape (a missing or unexpected tensor is an error naming it; the head's ``stride``, a plain
+attribute in both packages but a buffer here, is taken from the recorded head).
 """
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ from torch import nn
 from models.parse import SIZE_IN_NAME
 from models.yolo import Model
 from utils.core.errors import UserError
-from utils.weights.convert.reader import Archive, Recorded, ReadError, TensorRef, globals_named, \
-    is_tensor_plumbing
+from utils.weights.convert.reader import Archive, Recorded, ReadError, TensorRef, globals_named, is_tensor_plumbing
 
 YOLOV5 = "yolov5"
 ULTRALYTICS = "ultralytics"
