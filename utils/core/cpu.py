@@ -4,7 +4,7 @@ PyTorch's CPU allocator is plain ``malloc``. glibc serves every block above its 
 (32 MiB at most) with a fresh ``mmap`` and unmaps it on free, so each such tensor (a batch-32
 feature map at 320 px, a 640 px training activation) page-faults and zero-fills all its pages
 again on every forward pass. Raising the threshold and the trim threshold keeps freed blocks in
-the heap for the next step, at the cost of a somewhat larger peak RSS (the README's table has
+the heap for the next step, at the cost of a somewhat larger peak RSS (docs/benchmarks.md has
 the figures). Values are untouched; only where memory comes from changes.
 """
 from __future__ import annotations

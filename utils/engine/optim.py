@@ -49,7 +49,7 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
       which learns much faster in few steps (Ultralytics' rule), and step every SHORT_RUN_BATCH
       images instead of accumulating to 64: a short run is short of updates, and AdamW's
       per-parameter step size does not grow with the batch, so four times the steps is about four
-      times the learning at the same images/s (measured: README, "The anchor-free recipe").
+      times the learning at the same images/s (measured: docs/benchmarks.md, "Against Ultralytics").
       Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the
       nominal 64 (Ultralytics 8.3's choice; 8.4 switched to its own MuSGD, which this project does
       not have).
