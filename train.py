@@ -109,10 +109,10 @@ def main(opt: argparse.Namespace) -> None:
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
     resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
-    device = dist.select_device(resume.args["device"], resume.args["batch_size"], info)
+    device = dist.select_device(resume.args.device, resume.args.batch_size, info)
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-    with Watchdog(info.rank, resume.args["hang_timeout"] * 60, peers=info.distributed) as watch:  # hangs name themselves
+    with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):
             # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
             dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)

@@ -239,11 +239,12 @@ def model_name(size: str) -> str:
 
 def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
     """Build train.py's set-up for one model and image size (``build_training``), and time its steps."""
+    from utils.core.cli import ResolvedArgs
     from utils.engine.config import Resume, resolve_config
     from utils.engine.setup import build_training
 
     with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
-        cfg = resolve_config(Resume(vars(train_opt(size, imgsz, opt, project))), device)  # as train.py resolves it
+        cfg = resolve_config(Resume(ResolvedArgs(**vars(train_opt(size, imgsz, opt, project)))), device)  # as train.py resolves it
         t = build_training(cfg, info, device)
         # every timed epoch trains with mosaic, as all but a run's last close_mosaic epochs do
         t.train_loader.sampler.load_state_dict({"mosaic_off_from_epoch": None})

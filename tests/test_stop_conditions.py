@@ -247,4 +247,4 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
     saved.update(epochs=40, resume=False)  # the count --time had refitted when the run was saved
     torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
     opt = train.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
-    assert resolve_resume(opt, vars(train.build_parser().parse_args([]))).args["epochs"] == 40
+    assert resolve_resume(opt, vars(train.build_parser().parse_args([]))).args.epochs == 40

@@ -43,7 +43,7 @@ class RunConfig(ResolvedArgs):
 class Resume:
     """The arguments after the --resume merge, and the checkpoint to continue (None: a fresh run)."""
 
-    args: dict[str, Any]
+    args: ResolvedArgs
     saved: SavedRun | None = None
 
 
@@ -57,12 +57,12 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     """
     given = vars(opt)
     if not opt.resume:
-        return Resume(dict(given))
+        return Resume(ResolvedArgs(**given))
     if opt.resume == "auto":
         path = Path(opt.project) / opt.name / "weights" / "last.pt"
         if not path.is_file():
             LOGGER.info(f"--resume auto: no {path} yet; starting the run")
-            return Resume({**given, "resume": False, "exist_ok": True})
+            return Resume(ResolvedArgs(**{**given, "resume": False, "exist_ok": True}))
     else:
         path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     if path is None:
@@ -84,10 +84,10 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     if changed:
         LOGGER.info("Resuming with changed arguments: " + ", ".join(
             f"{k}: {saved.args[k]} -> {v}" for k, v in sorted(changed.items())))
-    args = {**saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
-            "save_dir": str(path.parent.parent)}
+    args = ResolvedArgs(**{**saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
+                           "save_dir": str(path.parent.parent)})
     part = f", batch {saved.batches_done + 1}" if saved.batches_done else ""
-    LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args['epochs']}")
+    LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args.epochs}")
     return Resume(args, saved)
 
 
@@ -103,11 +103,11 @@ def resolve_config(resume: Resume, device: torch.device) -> RunConfig:
     """The frozen config: the device's layout and precision defaults, the family's hyp file and the run
     folder (rank 0's choice, shared: call it on every rank once the process group is up)."""
     args, saved = resume.args, resume.saved
-    hyp = args["hyp"] if saved or args["hyp"] else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
-    save_dir = Path(args["save_dir"]) if saved else increment_path(Path(args["project"]) / args["name"], args["exist_ok"])
-    return RunConfig(**{**args, "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": dist.channels_last_default(args["channels_last"], device),
-                        "amp": dist.amp_default(args["amp"], device, legacy=saved is not None and "amp" not in saved.args)})
+    hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
+    save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
+    return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
+                        "channels_last": dist.channels_last_default(args.channels_last, device),
+                        "amp": dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)})
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
@@ -115,7 +115,7 @@ def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str 
     return cfg.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
 
 
-def anchored_model(args: dict[str, Any]) -> bool:
+def anchored_model(args: argparse.Namespace) -> bool:
     """Whether a fresh run's model has an anchor head (YOLOv5), which picks its family's hyp file."""
-    weights = load_weights_source(args["weights"]) if args["weights"] and not args["cfg"] else None
-    return head_has_anchors(load_model_yaml(model_source(argparse.Namespace(**args), weights))[0])
+    weights = load_weights_source(args.weights) if args.weights and not args.cfg else None
+    return head_has_anchors(load_model_yaml(model_source(args, weights))[0])

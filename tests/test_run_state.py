@@ -1,0 +1,178 @@
+"""The run state and the frozen config: one home for what a continuation needs, read and written in
+one place, and arguments that nothing changes once resolved."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import train
+from utils.core.cli import ResolvedArgs
+from utils.data.loader import TrainSampler
+from utils.engine.budget import TimeBudget
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, Resume, RunConfig, resolve_config
+from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, Warmup, smart_optimizer
+from utils.engine.recover import NanRecovery
+from utils.engine.state import RunState
+
+NB = 5  # batches per epoch of the fake run
+
+# The training-state keys of a checkpoint as this project has written them (format 1): a resume of a
+# file written by any version since must find every one it reads.
+EPOCH_END_KEYS = {"epoch", "best_fitness", "model", "ema", "ema_updates", "optimizer", "scaler", "early_stop", "rng",
+                  "train_seconds", "mosaic_off_from_epoch", "epoch_seconds", "metrics"}
+MID_EPOCH_KEYS = EPOCH_END_KEYS | {"batches_done", "mloss", "lr_scale"}
+
+
+def _state(seed: int, nan_recover: int = 2) -> RunState:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 2, 1))
+    optimizer = smart_optimizer(model, "AdamW", lr=0.01, momentum=0.9, decay=5e-4)
+    ema = ModelEMA(model)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    lr = LRSchedule(optimizer, Warmup(iters=3, bias_lr=0.1, momentum0=0.8, momentum=0.9), 4, lrf=0.01, cos=False)
+    return RunState(epochs=4, batches_per_epoch=NB, model=model, ema=ema, optimizer=optimizer, scaler=scaler, lr=lr,
+                    sampler=TrainSampler(8), stopper=EarlyStopping(patience=3),
+                    recovery=NanRecovery(nan_recover, model, ema, optimizer, scaler), clock=TimeBudget(0))
+
+
+def _train_steps(state: RunState, n: int) -> None:
+    for _ in range(n):
+        state.lr.warmup_step(state.epoch * NB + state.batch, state.epoch)
+        state.recovery.remember()
+        loss = state.model(torch.rand(2, 3, 8, 8)).square().mean()
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        state.ema.update(state.model)
+        state.batch += 1
+
+
+def _assert_equal_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k in ("rng", "train_seconds"):
+            continue
+        _assert_equal(a[k], b[k], k)
+
+
+def _assert_equal(x, y, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_equal(x[k], y[k], f"{where}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (p, q) in enumerate(zip(x, y)):
+            _assert_equal(p, q, f"{where}/{i}")
+    else:
+        assert x == y, where
+
+
+def test_a_mid_epoch_state_round_trips_through_its_state_dict():
+    state = _state(0)
+    state.epoch, state.best_fitness = 1, 0.25
+    _train_steps(state, 3)
+    state.lr.halve()  # --nan-recover's scale for the rest of the epoch
+    state.mloss = torch.tensor([0.5, 0.25, 0.125])
+    state.sampler.close_mosaic_from(2)
+    state.stopper(1, 0.25)
+    state.clock.epoch_seconds = [12.5]
+    saved = state.state_dict()
+    assert set(saved) == MID_EPOCH_KEYS | {"nan_recovery"}
+    assert (saved["epoch"], saved["batches_done"], saved["lr_scale"]) == (0, 3, 0.5)  # one epoch done, 3 batches
+
+    resumed = _state(1)  # other initial weights: everything must come from the checkpoint
+    resumed.model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved, restore_mosaic=True)
+    assert (resumed.epoch, resumed.batch, resumed.resumed, resumed.best_fitness) == (1, 3, True, 0.25)
+    assert torch.equal(resumed.mloss, state.mloss) and resumed.lr.scale == 0.5 and resumed.lr.epoch == 1
+    assert resumed.lr.values() == state.lr.values() and resumed.clock.epoch_seconds == [12.5]
+    assert resumed.sampler.mosaic_off_from_epoch == 2 and resumed.recovery.used == 0
+    _assert_equal_states(resumed.state_dict(), saved)
+
+
+def test_an_epoch_end_checkpoint_records_the_epoch_and_no_cursor():
+    state = _state(0, nan_recover=0)
+    _train_steps(state, NB)
+    saved = state.state_dict()
+    assert set(saved) == EPOCH_END_KEYS and saved["epoch"] == 0  # the epoch just finished
+    resumed = _state(0, nan_recover=0)
+    resumed.load_state_dict(saved, restore_mosaic=False)
+    assert (resumed.epoch, resumed.batch, resumed.mloss, resumed.lr.scale) == (1, 0, None, 1.0)
+
+
+def test_the_close_mosaic_epoch_is_restored_only_when_asked():
+    """A --time run keeps the close_mosaic epoch it had moved; other runs recompute it from --epochs (which a
+    resume may have raised)."""
+    state = _state(0)
+    state.sampler.close_mosaic_from(1)
+    _train_steps(state, NB)
+    saved = state.state_dict()
+    for restore, want in ((True, 1), (False, 7)):
+        resumed = _state(0)
+        resumed.sampler.close_mosaic_from(7)
+        resumed.load_state_dict(saved, restore_mosaic=restore)
+        assert resumed.sampler.mosaic_off_from_epoch == want
+
+
+def test_replan_refits_the_lr_and_close_mosaic_and_keeps_a_closed_mosaic_closed():
+    state = _state(0)
+    state.sampler.close_mosaic_from(3)
+    state.epoch = 0
+    state.lr.next_epoch()
+    state.replan(9, close_mosaic=2)
+    assert state.epochs == 9 and state.sampler.mosaic_off_from_epoch == 7
+    assert state.lr.values()[1] == pytest.approx(0.01 * ((1 - 1 / 9) * 0.99 + 0.01))
+    state.epoch = 7  # mosaic closed from epoch 7: a later, longer plan leaves it closed
+    state.replan(20, close_mosaic=2)
+    assert state.sampler.mosaic_off_from_epoch == 7
+
+
+def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
+    args = vars(train.build_parser().parse_args(["--project", str(tmp_path), "--name", "run",
+                                                "--cfg", "models/yolov5n.yaml"]))
+    cfg = resolve_config(Resume(ResolvedArgs(**args)), torch.device("cpu"))
+    assert isinstance(cfg, RunConfig) and isinstance(cfg, ResolvedArgs)
+    assert cfg.hyp == str(DEFAULT_HYP) and cfg.save_dir == str(tmp_path / "run") and cfg.channels_last is True
+    with pytest.raises(FrozenInstanceError, match="cannot set epochs"):
+        cfg.epochs = 3
+    with pytest.raises(FrozenInstanceError):
+        del cfg.seed
+    longer = cfg.replace(epochs=30)
+    assert (longer.epochs, cfg.epochs) == (30, 15) and longer.as_dict().keys() == cfg.as_dict().keys()
+    (tmp_path / "run").mkdir()  # taken: a fresh run gets the next folder, an anchor-free model its own hyp file
+    free = resolve_config(Resume(ResolvedArgs(**{**args, "cfg": "models/yolov8n.yaml"})), torch.device("cpu"))
+    assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(DEFAULT_HYP_ANCHOR_FREE)
+
+
+def test_a_resume_keeps_the_saved_run_folder_and_hyp(tmp_path):
+    import utils.engine.config as config
+    args = vars(train.build_parser().parse_args(["--hyp", "hyps/hyp.v8.yaml"]))
+    saved = config.SavedRun(tmp_path / "exp" / "weights" / "last.pt", {"args": {**args, "amp": False}})
+    cfg = resolve_config(Resume(ResolvedArgs(**{**args, "save_dir": str(tmp_path / "exp")}), saved), torch.device("cpu"))
+    assert cfg.save_dir == str(tmp_path / "exp") and cfg.hyp == "hyps/hyp.v8.yaml"
+
+
+def test_val_py_resolves_its_arguments_without_changing_the_parsed_ones():
+    import val
+    opt = val.parse_opt(["--weights", "a.pt", "--task", "speed", "--save-json"])
+    resolved = val.check_opt(opt)
+    assert (resolved.conf_thres, resolved.save_json, resolved.noplots) == (0.25, False, True)
+    assert (opt.conf_thres, opt.save_json) == (0.001, True)
+    with pytest.raises(FrozenInstanceError):
+        resolved.conf_thres = 0.5
+
+
+def test_train_py_holds_no_checkpoint_keys_and_no_library_state():
+    """Only utils/engine/state.py and utils/weights/checkpoint.py read or write checkpoint keys; train.py
+    acts on typed values (SavedRun, Stop)."""
+    text = Path(train.__file__).read_text()
+    assert "ckpt" not in text and '["' not in text
+    assert isinstance(train.build_parser(), argparse.ArgumentParser)
