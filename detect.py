@@ -19,16 +19,19 @@ import argparse
 import sys
 import time
 
+import torch
+
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from models.yolo import round_to_stride
 from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_local_rank_flag, add_run_folder_flags, \
-    add_workers_flag
+from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
+    add_run_folder_flags, add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.runs import pick_run_dir
+from utils.core.watchdog import Watchdog
 from utils.data.sources import resolve_sources
 from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
@@ -67,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
     p.add_argument("--hide-conf", action="store_true", help="draw class names without confidences")
     add_run_folder_flags(p, ROOT / "runs" / "detect")
+    add_hang_timeout_flag(p)
     add_local_rank_flag(p)
     return p
 
@@ -91,30 +95,37 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
     dist.set_cpu_threads(info, opt.threads)
     sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
     device = dist.select_device(opt.device, info=info)
-    dist.init_distributed(info, device)
-    try:
-        backend = load_backend(opt.weights, device)
-        meta = backend.meta
-        imgsz = input_size(opt.imgsz, meta)
-        precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
-        LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
-                    f"{len(sources.images)} images, {len(sources.videos)} videos")
-        save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
-        predictor = Predictor(backend, device, PredictOptions(
-            conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
-            classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
-            multi_label=opt.multi_label, half=opt.half,
-            channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device)))
-        writer = Writer(save_dir, meta.names, SaveOptions(
-            save_img=not opt.nosave, save_txt=opt.save_txt, save_conf=opt.save_conf, save_crop=opt.save_crop,
-            line_width=opt.line_thickness, hide_labels=opt.hide_labels, hide_conf=opt.hide_conf))
-        started = time.perf_counter()
-        report = run_shard(sources, predictor, writer, ShardSettings(imgsz, opt.batch_size, opt.workers), info)
-        if info.is_main:
-            note_problems(sources.problems, sources.duplicates, report)
-        return finish(report, list(meta.names), started, imgsz, opt.batch_size, save_dir, info)
-    finally:
-        dist.cleanup_distributed()
+    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
+        with watch.phase("init process group"):
+            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
+        try:
+            return detect(opt, sources, device, info)
+        finally:
+            dist.cleanup_distributed()
+
+
+def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:
+    """Load the model, predict this rank's share of the sources writing each output once, and report on rank 0."""
+    backend = load_backend(opt.weights, device)
+    meta = backend.meta
+    imgsz = input_size(opt.imgsz, meta)
+    precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
+    LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
+                f"{len(sources.images)} images, {len(sources.videos)} videos")
+    save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
+    predictor = Predictor(backend, device, PredictOptions(
+        conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
+        classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
+        multi_label=opt.multi_label, half=opt.half,
+        channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device)))
+    writer = Writer(save_dir, meta.names, SaveOptions(
+        save_img=not opt.nosave, save_txt=opt.save_txt, save_conf=opt.save_conf, save_crop=opt.save_crop,
+        line_width=opt.line_thickness, hide_labels=opt.hide_labels, hide_conf=opt.hide_conf))
+    started = time.perf_counter()
+    report = run_shard(sources, predictor, writer, ShardSettings(imgsz, opt.batch_size, opt.workers), info)
+    if info.is_main:
+        note_problems(sources.problems, sources.duplicates, report)
+    return finish(report, list(meta.names), started, imgsz, opt.batch_size, save_dir, info)
 
 
 def note_problems(problems: list[tuple[str, str]], duplicates: int, report: ShardReport) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from utils.core import dist
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
-    add_device_flags, add_local_rank_flag, add_run_folder_flags, add_workers_flag
+    add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.cpu import tune_malloc
 from utils.core.errors import Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
@@ -80,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nan-recover", type=Range(int, min=0), default=0,
                    help="on a NaN/inf loss, roll every rank back to the state before the last optimizer step, skip the "
                         "batch and halve the LR for the rest of the epoch, up to N times (0: stop the run, the default)")
-    p.add_argument("--hang-timeout", type=Range(float, min=0), default=30.0,
-                   help="minutes without progress (a batch fetched, a step, a collective, a validation batch) after "
-                        "which every rank names the phase it is stuck in and exits with code 124 (0: off)")
+    add_hang_timeout_flag(p)
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")

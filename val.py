@@ -29,11 +29,12 @@ from torch.utils.data import DataLoader
 
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
-    add_device_flags, add_local_rank_flag, add_run_folder_flags, add_workers_flag
+    add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
 from utils.core.runs import pick_run_dir
+from utils.core.watchdog import Watchdog
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a run trained with --amp on CPU validated this way"),
     add_channels_last_flag(p)
     add_cache_flags(p)
+    add_hang_timeout_flag(p)
     add_local_rank_flag(p)
     return p
 
@@ -108,14 +110,19 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     opt = check_opt(opt)
     device = dist.select_device(opt.device, info=info)
     opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device))
-    dist.init_distributed(info, device)  # no tune_malloc: rect batches vary in shape, and the kept heap grew peak RSS
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
-    try:
-        return [validate_checkpoint(opt, w, info, device, loaders) for w in opt.weights]
-    finally:
-        for loader in loaders.values():
-            release_ram_caches(info.local_rank, loader.dataset.imgcache)
-        dist.cleanup_distributed()
+    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
+        with watch.phase("init process group"):  # no tune_malloc: rect batches vary in shape, the kept heap grew RSS
+            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
+        finished = False
+        try:
+            results = [validate_checkpoint(opt, w, info, device, loaders) for w in opt.weights]
+            finished = True
+            return results
+        finally:  # a failed rank does not wait for its peers (they are in a collective it will never join)
+            for loader in loaders.values():
+                release_ram_caches(info.local_rank, loader.dataset.imgcache, wait=finished)
+            dist.cleanup_distributed()
 
 
 def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistInfo, device: torch.device,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from utils.core.errors import UserError
-from utils.engine.checkpoint import rng_states, set_rng_states
+from utils.engine.rng import rng_states, set_rng_states
 from utils.weights import checkpoint as ck
 
 
@@ -86,3 +86,24 @@ def test_to_plain_makes_weights_only_safe_values(tmp_path):
     from pathlib import Path
     plain = ck.to_plain({"p": Path("/a"), "t": (1, 2), "n": np.float32(0.5), "a": np.arange(2)})
     assert plain == {"p": "/a", "t": [1, 2], "n": 0.5, "a": [0, 1]}
+
+
+def test_cuda_rng_is_the_run_devices_only_and_resumes_with_fewer_gpus_visible(monkeypatch):
+    """Twin of a CUDA run (torch.cuda patched): the checkpoint holds the training device's generator, not every
+    visible GPU's, and a file with one state per GPU resumes on a rank that sees fewer GPUs without an IndexError."""
+    states = {i: torch.full((4,), i, dtype=torch.uint8) for i in range(4)}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: states[torch.device(device).index])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states.values()))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda all_states: restored.append(("all", None)))
+    assert "cuda" not in rng_states(torch.device("cpu"))  # a CPU run on a GPU host saves no GPU state
+    saved = rng_states(torch.device("cuda", 2))
+    assert torch.equal(saved["cuda"], states[2])
+    set_rng_states(saved, torch.device("cuda", 0))  # requeued where one GPU is visible per task
+    legacy = {**saved, "cuda": list(states.values())}  # one state per visible GPU
+    set_rng_states(legacy, torch.device("cuda", 1))
+    set_rng_states({**saved, "cuda": list(states.values())[:1]}, torch.device("cuda", 3))  # index not in the file
+    set_rng_states(saved, torch.device("cpu"))
+    assert restored == [(2, torch.device("cuda", 0)), (1, torch.device("cuda", 1))]

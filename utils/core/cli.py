@@ -126,6 +126,13 @@ def add_run_folder_flags(p: argparse.ArgumentParser, project: str | Path) -> Non
     p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
 
 
+def add_hang_timeout_flag(p: argparse.ArgumentParser) -> None:
+    """--hang-timeout: every rank's watchdog (utils/core/watchdog.py); a hung rank names its phase and exits 124."""
+    p.add_argument("--hang-timeout", type=Range(float, min=0), default=30.0,
+                   help="minutes without progress (a batch fetched or scored, a step, a collective) after which every "
+                        "rank names the phase it is stuck in and exits with code 124 (0: off)")
+
+
 def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
     """--local-rank (hidden): older torch.distributed.launch passes it; utils.core.dist reads it."""
     p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)

@@ -333,18 +333,28 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite each tensor with rank ``src``'s, in place (default group: on the device under NCCL)."""
+    if not is_dist():
+        return
+    with watchdog.phase("collective broadcast"):
+        for t in tensors:
+            dist.broadcast(t, src=src)
+
+
 def reduce_mean(t: torch.Tensor) -> torch.Tensor:
     """Mean of a tensor over ranks (default group); identity at world size 1."""
     return all_reduce_sum(t) / _world_size()
 
 
-def smart_DDP(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Wrap in DistributedDataParallel: device_ids on CUDA, none on CPU."""
+def smart_DDP(model: torch.nn.Module, device: torch.device, sync_bn: bool = False) -> torch.nn.Module:
+    """Wrap in DistributedDataParallel: device_ids on CUDA, none on CPU. With SyncBatchNorm the ranks'
+    BatchNorm statistics already agree, so DDP does not broadcast buffers before each forward."""
     if not is_dist():
         return model
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:3] if v.isdigit())
     if version[:2] == (1, 12) and version[2:] in ((), (0,)):
         raise UserError("torch 1.12.0 has a DDP bug that breaks training; use another version")
     if device.type == "cuda":
-        return DDP(model, device_ids=[device.index], output_device=device.index)
-    return DDP(model)
+        return DDP(model, device_ids=[device.index], output_device=device.index, broadcast_buffers=not sync_bn)
+    return DDP(model, broadcast_buffers=not sync_bn)

@@ -380,10 +380,12 @@ def loader_shm_bytes(ranks: int, workers: int, batch_size: int, img_size: int, p
     return ranks * workers * prefetch * batch_size * 3 * img_size * img_size
 
 
-def release_ram_caches(local_rank: int, *caches: "ImageCache | None") -> None:
+def release_ram_caches(local_rank: int, *caches: "ImageCache | None", wait: bool = True) -> None:
     """Delete /dev/shm caches once every rank is done (mapped copies stay valid until exit), so
-    RAM is not held after the run, as with YOLOv5's in-process cache. Disk caches are kept."""
-    barrier()
+    RAM is not held after the run, as with YOLOv5's in-process cache. Disk caches are kept.
+    ``wait`` False: this rank failed, and its peers may never reach the barrier; delete without it."""
+    if wait:
+        barrier()
     if local_rank == 0:
         for cache in caches:
             if cache is not None and cache.mode == "ram":

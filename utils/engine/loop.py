@@ -7,6 +7,7 @@ in ``LoopState``; what stays fixed for the run in ``Training`` (utils/engine/set
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -15,6 +16,7 @@ from typing import Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from utils.core import dist
@@ -38,6 +40,7 @@ class LoopState:
     last_opt_step: int  # integrated batch index of the last optimizer step
     accumulate: int  # batches per optimizer step (ramped up during warmup)
     stopping: bool = False  # every rank agreed on a stop signal: leave at the next optimizer step
+    overflows: int = 0  # fp16: non-finite losses in a row, left to the GradScaler
 
     @classmethod
     def start(cls, t: Training) -> LoopState:
@@ -112,10 +115,12 @@ def _preempted(stop: StopRequest, hooks: Hooks, where: str) -> str:
 
 
 def validate(t: Training) -> EvalResult | None:
-    """The EMA model on the val split, on every rank; --noval validates only the final epoch."""
+    """The EMA model on the val split, on every rank, each rank's EMA made rank 0's first (the one best.pt
+    holds); --noval validates only the final epoch."""
     final = t.state.epoch + 1 == t.state.epochs
     if t.cfg.noval and not final:
         return None
+    t.ema.sync_buffers()
     options = EvalOptions(channels_last=t.cfg.channels_last, half=t.val_half,
                           keep_batches=3 if final and not t.cfg.noplots else 0)
     return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
@@ -138,22 +143,22 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
             state.batch = i + 1
             ni = i + nb * epoch  # integrated batch count since the start of training
-            imgs, loss, loss_items = forward(t, loop, hooks, batch, epoch, i, ni)
-            flags = check_step(loss_items, t.info, hooks.clock.due(t.info), stop.requested)
+            fw = forward(t, loop, hooks, batch, i, ni)
+            flags = check_step(fw.loss_items, t.info, hooks.clock.due(t.info), stop.requested)
             hooks.clock.pending |= flags.save_due
             loop.stopping |= flags.stop
-            if flags.bad_ranks:  # every rank agreed: stop the run, or (--nan-recover) roll back and skip the batch
-                spent = skip_bad_batch(t, flags.bad_ranks, loss_items, i)
+            overflow = scaler_absorbs(t.scaler, loop, bool(flags.bad_ranks))
+            if flags.bad_ranks and not overflow:  # every rank agreed: stop, or (--nan-recover) roll back and skip it
+                spent = skip_bad_batch(t, flags.bad_ranks, fw.loss_items, i)
                 if spent:
                     bar.close()
                     return EpochEnded(mloss.cpu(), Stop(StopReason.NAN_BUDGET, spent))
                 loop.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
                 continue
-            mloss = (mloss * i + loss_items) / (i + 1)
-            backward(t, loss)
-            # Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated
-            # gradients, so a resumed run continues exactly where the interrupted one would have.
-            if ni - loop.last_opt_step >= loop.accumulate or i == nb - 1:
+            if not overflow:
+                mloss = (mloss * i + fw.loss_items) / (i + 1)
+            backward(t, fw.loss)
+            if fw.steps:
                 state.recovery.remember()  # every batch since the last step had a finite loss on this state
                 optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
                 loop.last_opt_step = ni
@@ -163,23 +168,42 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
                         bar.close()
                         where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
                         return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
-            bar.update(i, mloss, batch, imgs)
+            bar.update(i, mloss, batch, fw.imgs)
     return EpochEnded(dist.reduce_mean(mloss).cpu())
 
 
-def forward(t: Training, loop: LoopState, hooks: Hooks, batch, epoch: int, i: int, ni: int):
-    """Images to the device, the warmup's LR and accumulation for batch ``ni``, then forward and loss under autocast."""
+@dataclass(frozen=True)
+class Forward:
+    """One batch's forward pass: its images on the device, the loss and its items, and whether an optimizer
+    step follows its backward (decided before the forward, which DDP needs to skip the gradient all-reduce)."""
+
+    imgs: torch.Tensor
+    loss: torch.Tensor
+    loss_items: torch.Tensor
+    steps: bool
+
+
+def forward(t: Training, loop: LoopState, hooks: Hooks, batch, i: int, ni: int) -> Forward:
+    """Images to the device, the warmup's LR and accumulation for batch ``ni``, then forward and loss under autocast.
+
+    Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated gradients, so a
+    resumed run continues exactly where the interrupted one would have. A batch whose gradient only
+    accumulates runs under DDP's no_sync: its backward skips the all-reduce, which the stepping batch's does
+    once for the accumulated sum."""
+    epoch = t.state.epoch
     imgs = prepare_images(t, batch)
     if t.cfg.multi_scale:
         imgs = rescale_batch(imgs, t.imgsz, t.grid, t.cfg.seed, epoch=epoch, i=i)
     t.lr.warmup_step(ni, epoch)
     if ni <= t.lr.warmup.iters:
         loop.accumulate = max(1, round(float(np.interp(ni, [0, t.lr.warmup.iters], [1, t.accumulate]))))
+    steps = ni - loop.last_opt_step >= loop.accumulate or i == t.batches_per_epoch - 1
     hooks.plots.train_batch(batch, ni)
-    with t.autocast():
+    quiet = t.model.no_sync() if not steps and isinstance(t.model, DDP) else contextlib.nullcontext()
+    with quiet, t.autocast():
         pred = t.model(imgs)
         loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
-    return imgs, loss, loss_items
+    return Forward(imgs, loss, loss_items, steps)
 
 
 def save_mid_epoch(t: Training, loop: LoopState, hooks: Hooks, mloss: torch.Tensor, watch: Watchdog) -> None:
@@ -210,11 +234,24 @@ def prepare_images(t: Training, batch) -> torch.Tensor:
 
 def backward(t: Training, loss: torch.Tensor) -> None:
     """Scaled backward. DDP averages gradients over ranks while the loss is a sum over the batch,
-    so the loss is multiplied by the world size to keep the gradient of the global batch."""
+    so the loss is multiplied by the world size to keep the gradient of the global batch (whether
+    it all-reduces here was decided in the forward: ``forward``)."""
     world = t.info.world_size
     if world > 1:
         loss = loss * world
     t.scaler.scale(loss).backward()
+
+
+FP16_OVERFLOW_PATIENCE = 10  # non-finite fp16 losses in a row the GradScaler may absorb (2**-10 of its scale)
+
+
+def scaler_absorbs(scaler: torch.amp.GradScaler, loop: LoopState, non_finite: bool) -> bool:
+    """Under fp16 loss scaling a non-finite loss is an overflow the GradScaler handles: the step its gradient joins
+    is skipped and the scale lowered. It stops the run (or spends a --nan-recover) only after
+    FP16_OVERFLOW_PATIENCE in a row, which lowering the scale did not cure; fp32 and bf16 have no scaler."""
+    absorbed = non_finite and scaler.is_enabled() and loop.overflows < FP16_OVERFLOW_PATIENCE
+    loop.overflows = loop.overflows + 1 if absorbed else 0
+    return absorbed
 
 
 def optimizer_step(model, optimizer, scaler, ema) -> None:

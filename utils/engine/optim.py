@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from models.yolo import de_parallel
+from utils.core import dist
 from utils.core.logging import LOGGER
 from utils.weights.checkpoint import fp32_state_dict
 
@@ -215,6 +216,13 @@ class ModelEMA:
         averaged, current = [v for v, _ in pairs], [m for _, m in pairs]
         torch._foreach_mul_(averaged, d)  # v = v * d + m * (1 - d), each tensor as before, in two launches
         torch._foreach_add_(averaged, current, alpha=1 - d)
+
+    def sync_buffers(self) -> None:
+        """Every rank takes rank 0's EMA buffers. Each rank averages its own BatchNorm statistics (its local
+        batches), so without this the ranks' EMAs drift apart and a validation would score each shard with a
+        different model than the best.pt rank 0 saves. The parameters need nothing: they follow the model's,
+        which DDP keeps identical."""
+        dist.broadcast_tensors([b for b in self.ema.buffers() if b.dtype.is_floating_point])
 
     def state_dict(self) -> dict:
         """The averaged weights (fp32, on the CPU) and the update count that sets the next decay."""

@@ -119,8 +119,24 @@ class NanRecovery:
         live = self._live()
         if len(saved["tensors"]) != len(live) or any(a.shape != b.shape for a, b in zip(saved["tensors"], live)):
             raise ValueError("--nan-recover: the checkpoint's rollback copy does not fit this model")
-        params = self._params()
         self._saved = _Saved([v.to(t.device, t.dtype) for v, t in zip(saved["tensors"], live)],
-                             {int(i): {k: v.to(params[int(i)].device) if torch.is_tensor(v) and v.dim() else v
-                                       for k, v in st.items()} for i, st in saved["optimizer"].items()},
+                             {int(i): {k: self._placed(int(i), k, v) for k, v in st.items()}
+                              for i, st in saved["optimizer"].items()},
                              int(saved["ema_updates"]), dict(saved["scaler"]))
+
+    def _placed(self, i: int, key: str, value):
+        """A saved optimizer value laid out as the live optimizer keeps it: like its own tensor of that name when it
+        has one (the optimizer's state was loaded first), else as torch loads state: ``step`` on the parameter's
+        device in fp32 for fused or capturable groups (fused AdamW on CUDA refuses a CPU step), on the CPU
+        otherwise; every other tensor on the parameter's device."""
+        if not torch.is_tensor(value):
+            return value
+        p = self._params()[i]
+        live = self.optimizer.state.get(p, {}).get(key)
+        if torch.is_tensor(live):
+            return value.to(live.device, live.dtype)
+        if key == "step":
+            group = next(g for g in self.optimizer.param_groups if any(q is p for q in g["params"]))
+            on_device = group.get("fused") or group.get("capturable")
+            return value.to(p.device, torch.float32) if on_device else value
+        return value.to(p.device)

@@ -210,12 +210,13 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
 
 def wrap_model(model: nn.Module, opt: RunConfig, info: DistInfo, device: torch.device) -> nn.Module:
     """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed."""
-    if opt.sync_bn and info.distributed and device.type == "cuda":
+    sync_bn = bool(opt.sync_bn and info.distributed and device.type == "cuda")
+    if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         LOGGER.info("Using SyncBatchNorm")
     elif opt.sync_bn:
         LOGGER.warning("WARNING: --sync-bn needs CUDA and more than one rank; using plain BatchNorm")
-    return dist.smart_DDP(model, device)
+    return dist.smart_DDP(model, device, sync_bn=sync_bn)
 
 
 def init_seeds(seed: int) -> None:

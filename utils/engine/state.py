@@ -24,7 +24,7 @@ from torch import nn
 from models.yolo import de_parallel
 from utils.core.errors import UserError
 from utils.data.loader import TrainSampler
-from utils.engine.checkpoint import rng_states, set_rng_states
+from utils.engine.rng import rng_states, set_rng_states
 from utils.engine.budget import TimeBudget
 from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
 from utils.engine.recover import NanRecovery
@@ -119,6 +119,10 @@ class RunState:
     resumed: bool = False
 
     @property
+    def device(self) -> torch.device:
+        return next(de_parallel(self.model).parameters()).device
+
+    @property
     def mid_epoch(self) -> bool:
         return 0 < self.batch < self.batches_per_epoch
 
@@ -137,7 +141,7 @@ class RunState:
         out = {"epoch": self.epoch - 1 if mid else self.epoch, "best_fitness": float(self.best_fitness),
                "model": fp32_state_dict(de_parallel(self.model)), "ema": ema["weights"], "ema_updates": ema["updates"],
                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-               "early_stop": self.stopper.state_dict(), "rng": rng_states(), **self.clock.state_dict(),
+               "early_stop": self.stopper.state_dict(), "rng": rng_states(self.device), **self.clock.state_dict(),
                **self.sampler.state_dict(), "metrics": self.metrics.as_dict() if self.metrics else {}}
         if self.recovery.enabled:  # the rollback copy and the recoveries used
             out["nan_recovery"] = self.recovery.state_dict()
@@ -153,10 +157,9 @@ class RunState:
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.stopper.load_state_dict(ckpt["early_stop"])
-        set_rng_states(ckpt["rng"])
+        set_rng_states(ckpt["rng"], self.device)
         self.epoch, self.batch = ckpt["epoch"] + 1, int(ckpt.get("batches_done", 0))
-        device = next(de_parallel(self.model).parameters()).device
-        self.mloss = torch.tensor(ckpt["mloss"], device=device) if self.batch else None
+        self.mloss = torch.tensor(ckpt["mloss"], device=self.device) if self.batch else None
         self.best_fitness = ckpt["best_fitness"]
         self.lr.load_state_dict(ckpt if self.batch else {}, self.epoch)
         self.clock.load_state_dict(ckpt)

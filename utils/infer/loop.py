@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from utils.core import watchdog
 from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
@@ -96,7 +97,7 @@ def run_shard(sources: Sources, predictor: Predictor, writer: Writer, settings: 
     total = loads[info.rank] + sum(p.frames for _, p in videos)
     with tqdm(total=total, desc="detect", unit="img", disable=not info.is_main, leave=False) as bar:
         if loader is not None:
-            for batch in loader:
+            for batch in watchdog.beats(loader):  # each batch is progress: a long run is not a hang
                 for item in batch.failed:
                     report.skip(item.path, item.error)
                 if batch.images is not None:
@@ -141,6 +142,7 @@ def _video(path: str, probe: VideoInfo, predictor: Predictor, writer: Writer, st
                 report.count(det)
             frames += len(batch)
             bar.update(len(batch))
+            watchdog.beat()
     except UnreadableVideo as e:
         report.skip(path, str(e))
         return
