@@ -117,7 +117,7 @@ def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.Di
         conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
         classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
         multi_label=opt.multi_label, half=opt.half,
-        channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device)))
+        channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device, half=opt.half)))
     writer = Writer(save_dir, meta.names, SaveOptions(
         save_img=not opt.nosave, save_txt=opt.save_txt, save_conf=opt.save_conf, save_crop=opt.save_crop,
         line_width=opt.line_thickness, hide_labels=opt.hide_labels, hide_conf=opt.hide_conf))

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
                         "and for CPUs with native bf16, AMX or AVX512-BF16, where it measured faster; --no-amp for fp32)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic CUDA kernels (cuDNN, cuBLAS, torch's index ops): a resumed CUDA run repeats the "
+                        "uninterrupted one exactly, at some speed cost (CPU runs are deterministic without it)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
@@ -108,6 +111,7 @@ def main(opt: argparse.Namespace) -> None:
     dist.set_cpu_threads(info, opt.threads)
     resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
     device = dist.select_device(resume.args.device, resume.args.batch_size, info)
+    dist.set_determinism(resume.args.deterministic, fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
     if device.type == "cpu":
         tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
     with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves

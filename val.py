@@ -109,7 +109,7 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     dist.set_cpu_threads(info, opt.threads)
     opt = check_opt(opt)
     device = dist.select_device(opt.device, info=info)
-    opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device))
+    opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device, half=opt.half))
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):  # no tune_malloc: rect batches vary in shape, the kept heap grew RSS
@@ -142,9 +142,9 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
     LOGGER.info(f"{weights}: epoch {meta.epoch + 1}, {len(names)} classes, imgsz {imgsz}{kind}")
     save_dir = make_save_dir(opt, info, run_dir)
-    if meta.val_precision == "bf16" and device.type == "cpu" and not opt.half:
-        LOGGER.info(f"{weights}: its run validated in bf16 (--amp); scoring in fp32, add --half to repeat its "
-                    "logged metrics exactly")
+    if meta.val_precision != "fp32" and not opt.half:
+        LOGGER.info(f"{weights}: its run validated in {meta.val_precision} (--amp); scoring in fp32, add --half to "
+                    "repeat its logged metrics exactly")
     options = EvalOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det, half=opt.half,
                           channels_last=opt.channels_last, fuse=False, keep_detections=opt.save_txt or opt.save_json,
                           keep_batches=0 if opt.noplots else 3, skip_first_timing=True, verbose=opt.verbose,

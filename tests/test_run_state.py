@@ -3,6 +3,7 @@ one place, and arguments that nothing changes once resolved."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -176,3 +177,44 @@ def test_train_py_holds_no_checkpoint_keys_and_no_library_state():
     text = Path(train.__file__).read_text()
     assert "ckpt" not in text and '["' not in text
     assert isinstance(train.build_parser(), argparse.ArgumentParser)
+
+
+def test_a_resume_of_a_run_saved_before_a_flag_existed_takes_that_flags_given_value(tmp_path):
+    """Saved arguments lack flags added since; the merged arguments still hold every flag of the parser."""
+    from utils.engine.config import resolve_resume
+    saved = vars(train.build_parser().parse_args([]))
+    for newer in ("deterministic", "hang_timeout", "amp"):
+        saved.pop(newer)
+    torch.save({"args": saved, "optimizer": {}, "epoch": 1, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
+    opt = train.build_parser().parse_args(["--resume", str(tmp_path / "last.pt"), "--hang-timeout", "5"])
+    args = resolve_resume(opt, vars(train.build_parser().parse_args([]))).args
+    assert (args.deterministic, args.hang_timeout, args.amp) == (False, 5.0, None)
+    assert args.as_dict().keys() >= vars(opt).keys()
+
+
+def test_determinism_switches_torch_and_cudnn_together(monkeypatch):
+    from utils.core import dist
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        dist.set_determinism(True, fixed_shapes=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        dist.set_determinism(False, fixed_shapes=True)
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+        dist.set_determinism(False, fixed_shapes=False)  # --rect / --multi-scale: every new shape would be re-timed
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+
+
+def test_the_memory_format_default_follows_device_and_precision(monkeypatch):
+    from utils.core import dist
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert dist.channels_last_default(None, cpu) and dist.channels_last_default(None, cpu, half=True)
+    assert dist.channels_last_default(None, cuda, half=True) and not dist.channels_last_default(None, cuda)
+    assert not dist.channels_last_default(False, cuda, half=True) and dist.channels_last_default(True, cuda)
+    monkeypatch.setattr(dist.sys, "platform", "win32")
+    assert not dist.channels_last_default(None, cuda, half=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, MutableMapping
@@ -109,11 +110,29 @@ def _world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def channels_last_default(flag: bool | None, device: torch.device) -> bool:
-    """--channels-last / --no-channels-last, or when neither is given the layout measured fastest
-    on the device: NHWC on CPU (oneDNN's convolutions run faster on it); NCHW on CUDA, where no
-    measurement has been made here yet."""
-    return (device.type == "cpu") if flag is None else bool(flag)
+def channels_last_default(flag: bool | None, device: torch.device, half: bool = False) -> bool:
+    """--channels-last / --no-channels-last, or when neither is given the layout measured fastest on the
+    device: NHWC on CPU (oneDNN's convolutions); on CUDA NHWC under fp16 (``half``: --amp, or inference
+    --half), where cuDNN's tensor-core convolutions are NHWC-native, except on Windows, whose driver
+    makes the layout conversions costly; NCHW for fp32 CUDA. The evidence: docs/training.md."""
+    if flag is not None:
+        return bool(flag)
+    if device.type == "cuda":
+        return half and sys.platform != "win32"
+    return device.type == "cpu"
+
+
+def set_determinism(deterministic: bool, fixed_shapes: bool) -> None:
+    """--deterministic: deterministic kernels everywhere (cuDNN's fixed algorithms, cuBLAS's fixed workspace,
+    torch's deterministic index_put and scatter), so a resumed CUDA run repeats the uninterrupted one's bits, at
+    some speed cost; an op with no deterministic kernel warns rather than stopping the run. Without it, cuDNN
+    times its algorithms per input shape and keeps the fastest (only when shapes stay fixed: rect or
+    multi-scale batches would re-time every new shape)."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: this is process start
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic and fixed_shapes
 
 
 def cpu_has_native_bf16() -> bool:

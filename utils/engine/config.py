@@ -31,7 +31,7 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
 RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
-                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads"}
+                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -84,7 +84,8 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     if changed:
         LOGGER.info("Resuming with changed arguments: " + ", ".join(
             f"{k}: {saved.args[k]} -> {v}" for k, v in sorted(changed.items())))
-    args = ResolvedArgs(**{**saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
+    # the given arguments first: a flag newer than the saved run keeps its given (or default) value
+    args = ResolvedArgs(**{**given, **saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
                            "save_dir": str(path.parent.parent)})
     part = f", batch {saved.batches_done + 1}" if saved.batches_done else ""
     LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args.epochs}")
@@ -105,9 +106,9 @@ def resolve_config(resume: Resume, device: torch.device) -> RunConfig:
     args, saved = resume.args, resume.saved
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
+    amp = dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": dist.channels_last_default(args.channels_last, device),
-                        "amp": dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)})
+                        "channels_last": dist.channels_last_default(args.channels_last, device, half=amp), "amp": amp})
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:

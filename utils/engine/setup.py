@@ -79,9 +79,9 @@ class Training:
 
     @property
     def val_half(self) -> bool:
-        """Validation in training runs in bf16 too on CPU under --amp (mAP within a few 1e-4 of fp32's,
-        half the inference time); CUDA validation stays fp32 (not measured here)."""
-        return self.amp and self.device.type == "cpu"
+        """Validation in training runs in the run's precision: bf16 autocast on CPU, fp16 weights on CUDA
+        under --amp (recorded in checkpoints, so val.py --half repeats the logged metrics)."""
+        return self.amp
 
     def autocast(self) -> torch.autocast:
         """The forward and loss precision of --amp (off: fp32)."""

@@ -175,7 +175,7 @@ def run_record(t) -> dict[str, Any]:
     return {"model_yaml": to_plain(de_parallel(t.model).yaml), "optimizer_choice": asdict(t.optimizer_choice),
             "seed": t.cfg.seed, "world_size": t.info.world_size, "hyp": t.hyp.as_dict(),
             "args": to_plain({**t.cfg.as_dict(), "epochs": t.state.epochs}), "names": list(t.names),
-            "val_precision": "bf16" if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
+            "val_precision": ("fp16" if t.device.type == "cuda" else "bf16") if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
 
 
 def make_checkpoint(t) -> dict[str, Any]:

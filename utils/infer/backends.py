@@ -53,7 +53,7 @@ class ModelMeta:
     data: str | None = None  # the dataset yaml it was trained on: val.py's default --data
     single_cls: bool = False
     epoch: int = -1  # last finished epoch (0-based) of the checkpoint
-    val_precision: str = "fp32"  # a checkpoint's validation in training: "bf16" under --amp on CPU
+    val_precision: str = "fp32"  # a checkpoint's validation in training under --amp: "bf16" (CPU), "fp16" (CUDA)
     source: str = ""  # the checkpoint an export was made from
     version: str = ""  # yolotrain's commit that wrote the export
     meta_version: int = META_VERSION

@@ -38,7 +38,7 @@ class CheckpointCard:
     data: str | None  # the dataset yaml it was trained on
     single_cls: bool
     epoch: int  # last finished epoch, 0-based; -1 for a converted file
-    val_precision: str  # its validation in training: "bf16" under --amp on CPU, else "fp32"
+    val_precision: str  # its validation in training: "bf16" (CPU) or "fp16" (CUDA) under --amp, else "fp32"
     tensors: int  # entries of the state_dict loaded
     converted_weights: str | None  # "ema" or "model" for a converted YOLOv5/Ultralytics file, else None
 
