@@ -35,8 +35,9 @@ Figures:
              slowest rank's, so a straggler counts.
   breakdown  mean ms per step of each phase: data (waiting for the loader), prep (images to
              the device, /255, memory format), forward, loss (targets to the device, target
-             building + loss), nan-check (check_step: the per-step all-reduce of a NaN flag and
-             its host read), backward (includes DDP's gradient all-reduce),
+             building + loss), nan-check (the NaN flag on the device, and at each optimizer step
+             check_step: one all-reduce of the flags and running loss, one host read), backward
+             (includes DDP's gradient all-reduce),
              optim (unscale, clip, SGD step, zero_grad, EMA; amortised over accumulate steps).
              On CUDA the device is synchronised at each phase boundary, only here, so phases do
              not overlap as they would in train.py; --no-sync times the whole step only.
@@ -296,7 +297,9 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                 loss, loss_items = t.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
-            check_step(loss_items, info, False, False)
+            bad = ~torch.isfinite(loss_items).all()  # train.py's flag, on the device until the optimizer step
+            if step_now:
+                check_step(bad, loss_items, info, False, False)  # the step's all-reduce and its one host copy
             t5 = time.perf_counter()
             backward(t, loss)
             sync()

@@ -136,3 +136,66 @@ def test_a_val_rank_that_fails_ends_the_job_promptly(tiny_data, tiny_v8n, tmp_pa
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "simulated out of memory on rank 1" in p.stdout + p.stderr
     assert time.monotonic() - started < 120
+
+
+def test_a_rollback_puts_the_scalers_scale_back_without_reading_it_each_step():
+    """fp16's GradScaler under --nan-recover: the copy taken at each step keeps the scale on the device (no host
+    read), a rollback restores it, and a checkpoint carries it in the scaler's own state_dict form."""
+    model = _model()
+    optimizer = smart_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
+    ema, scaler = ModelEMA(model), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=True)
+    recovery = NanRecovery(2, model, ema, optimizer, scaler)
+    scaler.scale(model(torch.rand(2, 3, 8, 8)).square().mean()).backward()
+    recovery.remember()
+    assert torch.is_tensor(recovery._saved.scaler["scale"])
+    optimizer_step(model, optimizer, scaler, ema)
+    scaler.update(2.0 ** 3)  # the scale moved on after the copy
+    saved = recovery.state_dict()["saved"]["scaler"]
+    assert saved["scale"] == 2.0 ** 8 and isinstance(saved["_growth_tracker"], int)
+    assert recovery.restore() and scaler.get_scale() == 2.0 ** 8
+    resumed = NanRecovery(2, model, ema, optimizer, scaler)
+    resumed.load_state_dict(recovery.state_dict())
+    scaler.update(2.0 ** 2)
+    assert resumed.restore() and scaler.get_scale() == 2.0 ** 8
+
+
+def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp_path, monkeypatch):
+    """The whole step on the meta device, where any read of a tensor's value raises: forward, loss, the NaN flag,
+    backward, the optimizer step and the EMA run without one, and at each optimizer step check_step's
+    host_values is the one device-to-host copy (counted here; four batches, two optimizer steps)."""
+    import dataclasses
+    import contextlib
+
+    import train
+    from utils.core import dist
+    from utils.core.cli import ResolvedArgs
+    from utils.core.dist import DistInfo
+    from utils.core.watchdog import Watchdog
+    from utils.engine import loop as engine_loop
+    from utils.engine.config import Resume, resolve_config
+    from utils.engine.hooks import build_hooks
+    from utils.engine.optim import LRSchedule, Warmup
+    from utils.engine.preempt import StopRequest
+    from utils.engine.setup import Training, build_training
+
+    argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--imgsz", "64", "--batch-size", "4", "--workers",
+            "0", "--optimizer", "SGD", "--noplots", "--no-amp", "--epochs", "1", "--seed", "1"]
+    cfg = resolve_config(Resume(ResolvedArgs(**vars(train.build_parser().parse_args(argv)))), torch.device("cpu"))
+    t = build_training(cfg, DistInfo(), torch.device("cpu"))
+    meta = torch.device("meta")
+    model, ema = t.model.to(meta), t.ema
+    ema.ema.to(meta)
+    optimizer = smart_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
+    lr = LRSchedule(optimizer, Warmup(iters=-1, bias_lr=0.0, momentum0=0.8, momentum=0.9), 1, lrf=0.01, cos=False)
+    state = dataclasses.replace(t.state, model=model, optimizer=optimizer, lr=lr)
+    t = dataclasses.replace(t, device=meta, optimizer=optimizer, lr=lr, accumulate=2, state=state,
+                            criterion=model.detect.build_criterion(t.hyp, t.imgsz))
+    monkeypatch.setattr(Training, "autocast", lambda self: contextlib.nullcontext())  # autocast has no meta device
+    monkeypatch.setattr(type(t.criterion), "__call__", type(t.criterion)._loss)  # ... nor the loss's fp32 guard
+    monkeypatch.setattr(dist, "reduce_mean", lambda x: torch.zeros(x.shape))  # the epoch's one closing copy
+    copies = []
+    monkeypatch.setattr(engine_loop, "host_values", lambda x: copies.append(x.shape) or [0.0] * x.numel())
+    loop = engine_loop.LoopState.start(t)
+    engine_loop.train_one_epoch(t, loop, build_hooks(t), StopRequest(), Watchdog(0, 0))
+    assert t.batches_per_epoch == 4 and len(copies) == 2  # batches 2 and 4 step
+    assert next(model.parameters()).device == meta

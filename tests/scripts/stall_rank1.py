@@ -1,5 +1,5 @@
 """torchrun helper for tests/test_watchdog.py: rank 1 stalls (sleeps, as if wedged) in the step of
-epoch 1, batch 2, after its forward pass and just before the step's all-reduce; rank 0 reaches that
+the second optimizer step, after its backward pass and just before the step's all-reduce; rank 0 reaches that
 all-reduce a few seconds later (as a slower rank would) and waits in it. The hang watchdog must end
 both, each naming its own phase.
 
@@ -17,12 +17,12 @@ real_check_step = loop.check_step
 calls = 0
 
 
-def stalling_check_step(loss_items, info, *args, **kwargs):
+def stalling_check_step(window_bad, mloss, info, *args, **kwargs):
     global calls
     calls += 1
-    if calls == 2:  # epoch 1, batch 2 of a fresh run
+    if calls == 2:  # the second optimizer step of a fresh run
         time.sleep(3600 if info.rank == 1 else LATE_S)
-    return real_check_step(loss_items, info, *args, **kwargs)
+    return real_check_step(window_bad, mloss, info, *args, **kwargs)
 
 
 loop.check_step = stalling_check_step

@@ -39,8 +39,9 @@ class LoopState:
 
     last_opt_step: int  # integrated batch index of the last optimizer step
     accumulate: int  # batches per optimizer step (ramped up during warmup)
-    stopping: bool = False  # every rank agreed on a stop signal: leave at the next optimizer step
-    overflows: int = 0  # fp16: non-finite losses in a row, left to the GradScaler
+    stopping: bool = False  # every rank agreed on a stop signal: leave at this optimizer step
+    overflows: int = 0  # fp16: optimizer steps in a row with a non-finite loss, left to the GradScaler
+    window_bad: torch.Tensor | None = None  # on the device: a non-finite loss since the last optimizer step
 
     @classmethod
     def start(cls, t: Training) -> LoopState:
@@ -62,7 +63,8 @@ class StepFlags:
 
     save_due: bool  # rank 0's --save-interval clock
     stop: bool  # a stop signal reached some rank
-    bad_ranks: tuple[int, ...] = ()  # ranks whose loss was NaN/inf at this step
+    bad_ranks: tuple[int, ...] = ()  # ranks with a NaN/inf loss since the last optimizer step
+    mloss: tuple[float, ...] = ()  # the epoch's running mean loss items, averaged over ranks (the progress bar)
 
 
 def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> Stop:
@@ -144,31 +146,33 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
             state.batch = i + 1
             ni = i + nb * epoch  # integrated batch count since the start of training
             fw = forward(t, loop, hooks, batch, i, ni)
-            flags = check_step(fw.loss_items, t.info, hooks.clock.due(t.info), stop.requested)
+            finite = torch.isfinite(fw.loss_items).all()  # on the device: read at the optimizer step
+            loop.window_bad = ~finite if loop.window_bad is None else loop.window_bad | ~finite
+            mloss = torch.where(finite, (mloss * i + fw.loss_items) / (i + 1), mloss)
+            backward(t, fw.loss)
+            if not fw.steps:
+                continue
+            flags = check_step(loop.window_bad, mloss, t.info, hooks.clock.due(t.info), stop.requested)
+            loop.window_bad, loop.stopping = None, loop.stopping or flags.stop
             hooks.clock.pending |= flags.save_due
-            loop.stopping |= flags.stop
-            overflow = scaler_absorbs(t.scaler, loop, bool(flags.bad_ranks))
-            if flags.bad_ranks and not overflow:  # every rank agreed: stop, or (--nan-recover) roll back and skip it
-                spent = skip_bad_batch(t, flags.bad_ranks, fw.loss_items, i)
+            overflow = scaler_absorbs(t.scaler, loop, bool(flags.bad_ranks))  # fp16: the scaler skips that step
+            if flags.bad_ranks and not overflow:  # every rank agreed: stop, or (--nan-recover) roll back
+                spent = skip_bad_window(t, flags, i)
                 if spent:
                     bar.close()
                     return EpochEnded(mloss.cpu(), Stop(StopReason.NAN_BUDGET, spent))
                 loop.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
                 continue
-            if not overflow:
-                mloss = (mloss * i + fw.loss_items) / (i + 1)
-            backward(t, fw.loss)
-            if fw.steps:
-                state.recovery.remember()  # every batch since the last step had a finite loss on this state
-                optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
-                loop.last_opt_step = ni
-                if (loop.stopping or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
-                    save_mid_epoch(t, loop, hooks, mloss, watch)
-                    if loop.stopping:
-                        bar.close()
-                        where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
-                        return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
-            bar.update(i, mloss, batch, fw.imgs)
+            state.recovery.remember()  # the state every batch since the last step was scored on
+            optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
+            loop.last_opt_step = ni
+            if (loop.stopping or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
+                save_mid_epoch(t, loop, hooks, mloss, watch)
+                if loop.stopping:
+                    bar.close()
+                    where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
+                    return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
+            bar.update(i, flags.mloss, batch, fw.imgs)
     return EpochEnded(dist.reduce_mean(mloss).cpu())
 
 
@@ -264,29 +268,36 @@ def optimizer_step(model, optimizer, scaler, ema) -> None:
     ema.update(model)
 
 
-def check_step(loss_items: torch.Tensor, info: dist.DistInfo, save_due: bool, stop_requested: bool) -> StepFlags:
-    """One all-reduce per step carries every rank's NaN/inf flag, rank 0's --save-interval clock and
-    every rank's stop signal, so every rank gets the same answers at the same step: whether a
-    mid-epoch save is due, whether to stop, and which ranks' loss was not finite (decided together,
-    so no rank waits in a collective for one that has stopped or rolled back).
-    """
+def check_step(window_bad: torch.Tensor, mloss: torch.Tensor, info: dist.DistInfo, save_due: bool,
+               stop_requested: bool) -> StepFlags:
+    """At each optimizer step, one all-reduce and one device-to-host copy carry every rank's NaN/inf flag for
+    the batches since the last step, rank 0's --save-interval clock, every rank's stop signal and the running
+    mean loss, so every rank gets the same answers at the same step (which ranks' loss was not finite, whether
+    a mid-epoch save is due, whether to stop; decided together, so no rank waits in a collective for one that
+    has stopped or rolled back) and the progress bar its figures without another sync."""
     world, rank = info.world_size, info.rank
-    flags = torch.zeros(world + 2, device=loss_items.device)
-    flags[rank] = float(not torch.isfinite(loss_items).all())
-    flags[world] = float(save_due)
-    flags[world + 1] = float(stop_requested)
-    flags = dist.all_reduce_sum(flags)
-    bad = tuple(flags[:world].nonzero().flatten().tolist())
-    return StepFlags(save_due=bool(flags[world]), stop=bool(flags[world + 1]), bad_ranks=bad)
+    own = torch.zeros(world, device=mloss.device)
+    own[rank] = window_bad.float()
+    control = torch.tensor([float(save_due), float(stop_requested)], device=mloss.device)
+    values = host_values(dist.all_reduce_sum(torch.cat((own, control, mloss.detach().float()))))
+    return StepFlags(save_due=bool(values[world]), stop=bool(values[world + 1]),
+                     bad_ranks=tuple(r for r in range(world) if values[r]),
+                     mloss=tuple(v / world for v in values[world + 2:]))
 
 
-def skip_bad_batch(t: Training, bad_ranks: tuple[int, ...], loss_items: torch.Tensor, i: int) -> str | None:
-    """A non-finite loss on some rank, agreed by all: with a --nan-recover recovery left, roll back to the state
-    before the last optimizer step, skip this batch and halve the LR for the rest of the epoch (None); else the
-    message that stops every rank together (the default, and once the recoveries are spent)."""
-    recovery, names = t.state.recovery, ", ".join(t.criterion.loss_names)
+def host_values(t: torch.Tensor) -> list[float]:
+    """The step's one device-to-host copy (a host sync on CUDA)."""
+    return t.tolist()
+
+
+def skip_bad_window(t: Training, flags: StepFlags, i: int) -> str | None:
+    """A non-finite loss on some rank since the last optimizer step, agreed by all: with a --nan-recover recovery
+    left, roll back to the state before the last optimizer step, drop the batches since (their gradients) and
+    halve the LR for the rest of the epoch (None); else the message that stops every rank together (the default,
+    and once the recoveries are spent)."""
+    recovery = t.state.recovery
     where = (f"epoch {t.state.epoch + 1}, batch {i + 1}: the loss became NaN/inf on rank(s) "
-             f"{', '.join(map(str, bad_ranks))} ({names} = {[round(v, 4) for v in loss_items.tolist()]})")
+             f"{', '.join(map(str, flags.bad_ranks))} since the last optimizer step")
     if recovery.left <= 0:
         spent = f"; all {recovery.limit} --nan-recover recoveries are used" if recovery.enabled else ""
         hint = "" if recovery.enabled else ", or let --nan-recover N roll back and skip such batches"
@@ -298,7 +309,7 @@ def skip_bad_batch(t: Training, bad_ranks: tuple[int, ...], loss_items: torch.Te
         LOGGER.warning(f"WARNING: {where}; recovery {recovery.used}/{recovery.limit}: "
                        + ("rolled back to the state before the last optimizer step" if rolled
                           else "no optimizer step to undo since this process started")
-                       + f", skipped the batch, LR x{t.lr.scale:g} until the epoch ends")
+                       + f", skipped the batches since, LR x{t.lr.scale:g} until the epoch ends")
     return None
 
 
@@ -328,7 +339,8 @@ class ProgressBar:
                         bar_format="{l_bar}{bar:10}{r_bar}", desc=f"{s.epoch + 1}/{s.epochs}")
         return self.bar
 
-    def update(self, i: int, mloss: torch.Tensor, batch, imgs: torch.Tensor) -> None:
+    def update(self, i: int, mloss: tuple[float, ...], batch, imgs: torch.Tensor) -> None:
+        """At an optimizer step, from the step's host values (mloss: the running mean over ranks)."""
         if self.bar is None or self.bar.disable:
             return
         t, state = self.t, self.t.state
@@ -336,7 +348,7 @@ class ProgressBar:
         done = state.clock.epoch_seconds
         per_epoch = sum(done) / len(done) if done else seconds * self.nb  # validation included once known
         left = seconds * (self.nb - i - 1) + (state.epochs - state.epoch - 1) * per_epoch
-        losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss.tolist()))
+        losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss))
         self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
                                  f"{len(batch.images) * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
                                  refresh=False)

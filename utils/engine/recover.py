@@ -77,7 +77,15 @@ class NanRecovery:
                     else:
                         mine[k] = v.detach().clone() if torch.is_tensor(v) else v
         self._saved.ema_updates = self.ema.updates
-        self._saved.scaler = self.scaler.state_dict()
+        self._saved.scaler = self._scaler_tensors()
+
+    def _scaler_tensors(self) -> dict:
+        """The GradScaler's scale and growth tracker, cloned on the device: its state_dict() would read them
+        back to the host at every step."""
+        scale, tracker = getattr(self.scaler, "_scale", None), getattr(self.scaler, "_growth_tracker", None)
+        if not self.scaler.is_enabled() or scale is None or tracker is None:
+            return {}
+        return {"scale": scale.clone(), "_growth_tracker": tracker.clone()}
 
     def restore(self) -> bool:
         """Put the remembered state back and count a recovery; False when nothing was remembered yet (no optimizer step
@@ -95,8 +103,12 @@ class NanRecovery:
                     self.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v
                                                for k, v in self._saved.optimizer[i].items()}
         self.ema.updates = self._saved.ema_updates
-        if self._saved.scaler:
-            self.scaler.load_state_dict(self._saved.scaler)
+        saved = self._saved.scaler
+        if saved and torch.is_tensor(saved.get("scale")):
+            self.scaler._scale.copy_(saved["scale"])
+            self.scaler._growth_tracker.copy_(saved["_growth_tracker"])
+        elif saved:  # as a checkpoint holds it: the GradScaler's own state_dict
+            self.scaler.load_state_dict(saved)
         return True
 
     def state_dict(self) -> dict:
@@ -104,8 +116,12 @@ class NanRecovery:
         would: the recoveries used and, when one was taken, the copy from before the last optimizer step."""
         out: dict = {"used": self.used}
         if self._saved is not None:
+            scaler = self._saved.scaler
+            if scaler and torch.is_tensor(scaler.get("scale")):  # the GradScaler's state_dict form
+                scaler = {**self.scaler.state_dict(), "scale": float(scaler["scale"]),
+                          "_growth_tracker": int(scaler["_growth_tracker"])}
             out["saved"] = {"tensors": self._saved.tensors, "optimizer": self._saved.optimizer,
-                            "ema_updates": self._saved.ema_updates, "scaler": self._saved.scaler}
+                            "ema_updates": self._saved.ema_updates, "scaler": scaler}
         return out
 
     def load_state_dict(self, state: dict | None) -> None:
