@@ -3,8 +3,8 @@
 By default a NaN/inf loss on any rank stops every rank together (loop.check_step), which is right
 when the recipe is broken. With ``--nan-recover N`` the ranks, having agreed on the bad step in the
 same all-reduce, roll back together instead: to the state from before the last optimizer step,
-which every batch since the step before it had scored with a finite loss. The offending batch is
-skipped, the gradients accumulated since the last step are dropped, and the LR of every parameter
+which every batch since the step before it had scored with a finite loss. The batches since the last
+step (the bad one among them) are skipped with their accumulated gradients, and the LR of every parameter
 group is halved for the rest of the epoch (an overshoot is the usual cause; the schedule restores
 the LR at the next epoch). After N recoveries the next non-finite loss stops the run as before.
 
