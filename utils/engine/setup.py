@@ -101,7 +101,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     grid = max(int(model.stride.max()), 32)
     imgsz = round_to_stride(cfg.imgsz, grid)
     batch = cfg.batch_size // info.world_size
-    train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir)
+    train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir, device)
     if not saved and not cfg.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or choose_optimizer(
@@ -195,10 +195,11 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
 
 
 def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, imgsz: int, grid: int,
-                  batch: int, save_dir: Path):
+                  batch: int, save_dir: Path, device: torch.device):
     """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded)."""
     common = dict(stride=grid, single_cls=opt.single_cls, info=info, workers=opt.workers, seed=opt.seed,
-                  nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir)
+                  nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
+                  pin_memory=device.type == "cuda")  # a CPU run on a GPU host opens no CUDA context
     train_loader = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
                                      shuffle=True, prefix="train: ", **common)
     val_loader = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ",
