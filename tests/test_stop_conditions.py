@@ -109,12 +109,13 @@ def test_a_diverged_step_is_rolled_back_and_training_ends_normally(tiny_data, tm
 
 
 def test_a_resumed_run_rolls_back_as_the_uninterrupted_one(tiny_data, tmp_path):
-    """Stopped (SIGUSR1) at the step whose gradient was NaN, the run saves NaN weights; the resumed run
-    must roll that step back as the uninterrupted run does and end with the same bits."""
+    """Stopped (SIGUSR1, sent during the NaN backward, agreed at that batch's optimizer step) at the step whose
+    gradient was NaN, the run saves NaN weights; the resumed run must roll that step back as the uninterrupted
+    run does and end with the same bits."""
     ref = _train([sys.executable], tiny_data, tmp_path, "ref", ["--nan-recover", "2"], script=(NAN_GRAD, "3"))
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     cut = subprocess.run([sys.executable, NAN_GRAD, "3", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
-                          "cut", *ARGS, "--nan-recover", "2"], cwd=ROOT, env=dict(run_env(), NAN_GRAD_USR1_AT="2"),
+                          "cut", *ARGS, "--nan-recover", "2"], cwd=ROOT, env=dict(run_env(), NAN_GRAD_USR1_AT="3"),
                          capture_output=True, text=True, timeout=600)
     out = cut.stdout + cut.stderr
     assert cut.returncode == 75 and "at epoch 1, batch 3/4" in out, out[-3000:]  # saved right after the NaN step
