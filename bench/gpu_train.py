@@ -111,7 +111,7 @@ PEAK_TFLOPS: list[tuple[str, float, str]] = [
     (r"A100", 312.0, "A100 (SXM and PCIe)"),
     (r"\bL4\b", 121.0, "L4"),
     (r"\bT4\b", 65.0, "T4 (fp16 only)"),
-    (r"RTX 4090", 165.2, "GeForce RTX 4090 (330.3 with fp16 accumulation)"),
+    (r"RTX 4090(?! D)", 165.2, "GeForce RTX 4090 (330.3 with fp16 accumulation)"),
 ]
 
 # Run by either interpreter: sys.argv = [shim, mode, out.json, ROOT, *tool arguments]. Writes per-epoch
@@ -276,15 +276,19 @@ def vendor_peak(name: str) -> tuple[float, str] | None:
     return None
 
 
+def _matmul(n: int, dtype: torch.dtype, device: torch.device):
+    """A function that multiplies two random n x n matrices (freed with the function)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return lambda: a @ b
+
+
 @torch.no_grad()
 def matmul_peak(device: torch.device, seconds: float) -> tuple[float, str]:
     """FLOP/s of a large matmul on ``device`` (CUDA: fp16 8192^3; CPU: fp32 2048^3), best window."""
     cuda = device.type == "cuda"
     n, dtype = (8192, torch.float16) if cuda else (2048, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    rate = _timed_rate(lambda: a @ b, 2.0 * n ** 3, seconds, sync)
-    del a, b
+    rate = _timed_rate(_matmul(n, dtype, device), 2.0 * n ** 3, seconds, sync)
     if cuda:
         torch.cuda.empty_cache()  # the tools run in their own processes; give the memory back
     return rate, f"{'fp16' if cuda else 'fp32'} {n}^3 matmul"
@@ -401,7 +405,8 @@ def run_tool(tool: str, model: str, opt: argparse.Namespace, device: torch.devic
     run = run_shim(python, tool, tool_args(tool, model, opt, device, data, base / "runs"), env, base)
     facts = run["facts"]
     out = step_figures(run["epochs"], opt.warmup, opt.batch_size)
-    out.update(val_img_s=val_figures(run["vals"], run["epochs"]), peak_gpu_mib=facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None,
+    gpu_mib = facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None
+    out.update(val_img_s=val_figures(run["vals"], run["epochs"]), peak_gpu_mib=gpu_mib,
                peak_rss_mib=run["peak_rss_mib"], train_gflops_per_img=3 * facts.get("gflops", 0.0),
                amp=facts.get("amp"), workers=facts.get("workers"), ran_on=facts.get("device"),
                val_half=facts.get("val_half", any(v.get("half") for v in run["vals"])))
@@ -459,7 +464,8 @@ def device_header(device: torch.device, opt: argparse.Namespace) -> tuple[float 
                           f"measured {what}: {mm / 1e9:.1f} GFLOP/s"]
     name = torch.cuda.get_device_name(device)
     peak = vendor_peak(name)
-    vendor = f"vendor peak {peak[0]:g} TFLOPS dense fp16/bf16 ({peak[1]})" if peak else "not in PEAK_TFLOPS: no vendor MFU"
+    vendor = (f"vendor peak {peak[0]:g} TFLOPS dense fp16/bf16 ({peak[1]})" if peak
+              else "not in PEAK_TFLOPS: no vendor MFU")
     return (peak[0] if peak else None), mm, [f"device {name}: {vendor}; measured {what}: {mm / 1e12:.1f} TFLOPS"]
 
 
