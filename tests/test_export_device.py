@@ -105,3 +105,58 @@ def test_a_cuda_trace_runs_on_the_cpu_and_another_gpu(family, tmp_path):
         assert torch.allclose(_load(path, "cpu")(x), want, atol=1e-3, rtol=1e-3)
         if torch.cuda.device_count() > 1:
             assert torch.allclose(_load(path, "cuda:1")(x.to("cuda:1")).cpu(), want, atol=1e-3, rtol=1e-3)
+
+
+def _onnx(tmp_path: Path) -> Path:
+    """A dynamic-shape yolov8n (random weights, 3 classes) ONNX export with its metadata."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from utils.infer.export import write_onnx
+
+    torch.manual_seed(0)
+    model = Model(CFGS["anchor-free"], nc=3).fuse().eval()
+    meta = ModelMeta(names=("a", "b", "c"), stride=32, imgsz=64, family="anchor-free", format="onnx")
+    path = tmp_path / "m.onnx"
+    write_onnx(DecodedOnly(model).eval(), torch.zeros(1, 3, 64, 64), path, meta, ExportOptions(imgsz=64, batch=1,
+                                                                                              dynamic=True))
+    return path
+
+
+def test_onnx_binds_io_only_for_a_cuda_provider_and_a_cuda_input(tmp_path, monkeypatch, one_thread):
+    from utils.infer.backends import OnnxBackend
+
+    backend = OnnxBackend(_onnx(tmp_path), torch.device("cpu"))
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    plain = backend.run(x)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not backend.binds_on_device(cpu) and not backend.binds_on_device(cuda)  # CPU provider only
+    monkeypatch.setattr(backend.session, "get_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert backend.binds_on_device(cuda) and not backend.binds_on_device(cpu)
+
+    def no_binding(images):
+        raise AssertionError("IOBinding chosen for a CPU input")
+
+    monkeypatch.setattr(backend, "run_bound", no_binding)
+    assert torch.equal(backend.run(x), plain)  # a CPU input keeps the host path, results unchanged
+
+
+@pytest.mark.cuda
+def test_onnx_on_cuda_through_iobinding_equals_the_host_path(tmp_path, monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA provider here (onnxruntime-gpu)")
+    from utils.infer.backends import OnnxBackend
+
+    path = _onnx(tmp_path)
+    gpu, cpu = OnnxBackend(path, torch.device("cuda", 0)), OnnxBackend(path, torch.device("cpu"))
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    assert gpu.binds_on_device(torch.device("cuda", 0))
+    host_runs = []
+    run = gpu.session.run
+    monkeypatch.setattr(gpu.session, "run", lambda *a, **k: host_runs.append(1) or run(*a, **k))
+    bound = gpu(x.cuda())[0]
+    assert bound.is_cuda and host_runs == []  # the output stays on the GPU; no host round trip
+    host = torch.from_numpy(run(None, {gpu.input_name: x.numpy()})[0])  # the same CUDA session via host copies
+    assert torch.allclose(bound.cpu(), host, atol=1e-4, rtol=1e-4)
+    want = cpu(x)[0]  # the CPU provider: TF32 convolutions on recent GPUs differ by more than 1e-4
+    assert torch.allclose(bound.cpu(), want, atol=1e-2 * float(want.abs().max()), rtol=0)
