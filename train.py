@@ -28,6 +28,7 @@ from utils.core.fileio import ROOT
 from utils.core.logging import setup_logging
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
+from utils.engine.autobatch import parse_batch_size
 from utils.engine.config import RunConfig, resolve_config, resolve_resume
 from utils.engine.hooks import build_hooks
 from utils.engine.loop import run_epochs
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time", type=Range(float, min=0, max=1e6), default=0.0,
                    help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
                         "close_mosaic fitted to them (0: off)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
+    p.add_argument("--batch-size", type=parse_batch_size, default=16,
+                   help="global batch size, split over all ranks; -1: AutoBatch, the largest that keeps 20%% of every "
+                        "rank's GPU memory free (profiled once, CUDA only)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
@@ -115,7 +118,7 @@ def main(opt: argparse.Namespace) -> None:
             # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
             dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
         try:
-            cfg = resolve_config(resume, device)  # frozen from here: precision, layout, hyp file, run folder
+            cfg = resolve_config(resume, device, info)  # frozen from here: precision, layout, hyp file, run folder
             train(cfg, info, device, resume.saved, stop, watch)
         finally:
             dist.cleanup_distributed()
