@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
                         "and for CPUs with native bf16, AMX or AVX512-BF16, where it measured faster; --no-amp for fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training model (the first steps compile and are slow; validation stays eager)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")

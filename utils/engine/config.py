@@ -34,8 +34,10 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
+# --compile computes the same functions; like --device and --threads it can change the order of float
+# operations (inductor fuses kernels), so a resume that switches it is exact in maths, not in bits.
 RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
-                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads"}
+                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "compile"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -117,7 +119,8 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
         batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,
                                 info.world_size, amp, channels_last)
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": channels_last, "amp": amp, "batch_size": batch})
+                        "channels_last": channels_last, "amp": amp, "batch_size": batch,
+                        "compile": bool(getattr(args, "compile", False))})  # runs saved before --compile: off
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
