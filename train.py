@@ -60,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
                         "close_mosaic fitted to them (0: off)")
     p.add_argument("--batch-size", type=parse_batch_size, default=16,
-                   help="global batch size, split over all ranks; -1: AutoBatch, the largest that keeps 20%% of every "
-                        "rank's GPU memory free (profiled once, CUDA only)")
+                   help="global batch size, split over all ranks; -1: AutoBatch, the largest that fits every GPU (CUDA)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
@@ -91,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
                         "and for CPUs with native bf16, AMX or AVX512-BF16, where it measured faster; --no-amp for fp32)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the training model (the first steps compile and are slow; validation stays eager)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training model (the first steps are slow)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
