@@ -3,6 +3,7 @@ the CPU refusal through train.py, and (on a GPU) a real profile of yolov8n at 32
 from __future__ import annotations
 
 import argparse
+import logging
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from tests.conftest import ROOT, run_env
 from utils.core.cli import ResolvedArgs
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
-from utils.engine.autobatch import FREE_FRACTION, GiB, PROFILE_BATCHES, auto_batch_size, cuda_measure, \
+from utils.engine.autobatch import FREE_FRACTION, GiB, PROFILE_BATCHES, agree_on_batch, auto_batch_size, cuda_measure, \
     cuda_usable_bytes, fit_batch, global_batch, profile_size, profile_step, synthetic_targets
 from utils.engine.config import Resume, resolve_config
 
@@ -85,6 +86,15 @@ def test_the_smallest_rank_wins_and_the_global_batch_splits_evenly():
     for per_rank, world in (([7, 5, 9], 3), ([1, 1], 2), ([333] * 8, 8)):
         batch = global_batch(per_rank, world)
         assert batch % world == 0 and batch // world == min(per_rank)
+
+
+def test_one_rank_agrees_with_itself_and_logs_the_fit(caplog):
+    fit = fit_batch(linear(1.5 * GiB, 0.03 * GiB), TOTAL)
+    with caplog.at_level(logging.INFO, logger="yolotrain"):
+        assert agree_on_batch(fit, 1, "imgsz 320, fp32") == 2083
+    assert "peak GiB per batch 1: 1.53, 2: 1.56, 4: 1.62, 8: 1.74, 16: 1.98" in caplog.text
+    assert "fit 0.0300 GiB per image + 1.50 GiB; batch 2083 per rank keeps 20% of 80.0 GiB free" in caplog.text
+    assert "(rank 0, imgsz 320, fp32)" in caplog.text and "AutoBatch: --batch-size 2083 (2083 per rank)" in caplog.text
 
 
 def test_multi_scale_profiles_the_largest_size():

@@ -176,12 +176,18 @@ def auto_batch_size(source: object, nc: int, hyp: Hyp, args: argparse.Namespace,
     fit = fit_batch(cuda_measure(model, hyp, imgsz, nc, amp, memory_format), cuda_usable_bytes(device))
     del model
     torch.cuda.empty_cache()
+    precision = f"autocast {str(dist.amp_dtype(device)).removeprefix('torch.')}" if amp else "fp32"
+    return agree_on_batch(fit, world_size, f"imgsz {imgsz}, {precision}")
+
+
+def agree_on_batch(fit: BatchFit, world_size: int, note: str = "") -> int:
+    """Every rank's fit gathered and logged; the global batch all of them can hold (``global_batch``).
+    Call it on every rank."""
     fits = dist.all_gather_object(fit)
     per_rank = [f.batch for f in fits]
     batch = global_batch(per_rank, world_size)
-    precision = f"autocast {str(dist.amp_dtype(device)).removeprefix('torch.')}" if amp else "fp32"
     for rank, f in enumerate(fits):
-        LOGGER.info(f"{f.describe()} (rank {rank}, imgsz {imgsz}, {precision})")
+        LOGGER.info(f"{f.describe()} (rank {rank}{', ' + note if note else ''})")
     ranks = f", the least of the ranks' {per_rank}" if world_size > 1 else ""
     LOGGER.info(f"AutoBatch: --batch-size {batch} ({batch // world_size} per rank{ranks})")
     return batch
