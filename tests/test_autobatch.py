@@ -97,6 +97,11 @@ def test_one_rank_agrees_with_itself_and_logs_the_fit(caplog):
     assert "(rank 0, imgsz 320, fp32)" in caplog.text and "AutoBatch: --batch-size 2083 (2083 per rank)" in caplog.text
 
 
+def test_a_failed_profile_is_an_error_on_every_rank():
+    with pytest.raises(UserError, match=r"^--batch-size -1 \(AutoBatch\): out of GPU memory at batch 1"):
+        agree_on_batch("--batch-size -1 (AutoBatch): out of GPU memory at batch 1", 1)
+
+
 def test_multi_scale_profiles_the_largest_size():
     assert profile_size(320, 32, False) == 320
     assert profile_size(320, 32, True) == 480  # rescale_batch draws up to int(1.5 x 320) + 31, floored to 32

@@ -173,17 +173,24 @@ def auto_batch_size(source: object, nc: int, hyp: Hyp, args: argparse.Namespace,
     imgsz = profile_size(max((args.imgsz + grid - 1) // grid * grid, grid), grid, bool(args.multi_scale))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model.to(memory_format=memory_format)
-    fit = fit_batch(cuda_measure(model, hyp, imgsz, nc, amp, memory_format), cuda_usable_bytes(device))
-    del model
+    measure = cuda_measure(model, hyp, imgsz, nc, amp, memory_format)
+    try:
+        fit: BatchFit | str = fit_batch(measure, cuda_usable_bytes(device))
+    except UserError as e:  # the other ranks must hear of it, not wait in the gather
+        fit = str(e)
+    del model, measure  # the profiled model's memory goes back before training builds its own
     torch.cuda.empty_cache()
     precision = f"autocast {str(dist.amp_dtype(device)).removeprefix('torch.')}" if amp else "fp32"
     return agree_on_batch(fit, world_size, f"imgsz {imgsz}, {precision}")
 
 
-def agree_on_batch(fit: BatchFit, world_size: int, note: str = "") -> int:
-    """Every rank's fit gathered and logged; the global batch all of them can hold (``global_batch``).
-    Call it on every rank."""
+def agree_on_batch(fit: BatchFit | str, world_size: int, note: str = "") -> int:
+    """Every rank's fit (or its profile's error message) gathered and logged; the global batch all of
+    them can hold (``global_batch``), or a UserError on every rank if one failed. Call it on every rank."""
     fits = dist.all_gather_object(fit)
+    failed = [f"rank {r}: {f}" if world_size > 1 else f for r, f in enumerate(fits) if isinstance(f, str)]
+    if failed:
+        raise UserError("; ".join(failed))
     per_rank = [f.batch for f in fits]
     batch = global_batch(per_rank, world_size)
     for rank, f in enumerate(fits):
