@@ -28,6 +28,7 @@ from utils.core.fileio import ROOT
 from utils.core.logging import setup_logging
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
+from utils.engine.autobatch import BATCH_SIZE
 from utils.engine.config import RunConfig, resolve_config, resolve_resume
 from utils.engine.hooks import build_hooks
 from utils.engine.loop import run_epochs
@@ -55,10 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "anchor-free ones)")
     p.add_argument("--epochs", type=Range(int, min=1), default=15,
                    help="total training epochs (sized for the quick built-in run)")
-    p.add_argument("--time", type=Range(float, min=0, max=1e6), default=0.0,
-                   help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
-                        "close_mosaic fitted to them (0: off)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=16, help="global batch size, split over all ranks")
+    p.add_argument("--batch-size", type=BATCH_SIZE, default=16,
+                   help="global batch size, split over all ranks; -1: AutoBatch, the largest that fits every GPU (CUDA)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
@@ -73,14 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-batch-size", type=Range(int, min=1), default=32,
                    help="validation images per batch (per rank)")
     p.add_argument("--noval", action="store_true", help="only validate the final epoch")
-    p.add_argument("--save-period", type=Range(int), default=-1,
-                   help="also keep weights/epochN.pt every N epochs (< 1: off)")
-    p.add_argument("--save-interval", type=Range(float, min=0), default=0.0,
-                   help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
-    p.add_argument("--nan-recover", type=Range(int, min=0), default=0,
-                   help="on a NaN/inf loss, roll every rank back to the state before the last optimizer step, skip the "
-                        "batch and halve the LR for the rest of the epoch, up to N times (0: stop the run, the default)")
-    add_hang_timeout_flag(p)
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
@@ -91,17 +82,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic CUDA kernels (cuDNN, cuBLAS, torch's index ops): a resumed CUDA run repeats the "
                         "uninterrupted one exactly, at some speed cost (CPU runs are deterministic without it)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training model (the first steps are slow)")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
+    add_cache_flags(p)
+    add_local_rank_flag(p)
+    add_stop_and_resume_flags(p)
+    return p
+
+
+def add_stop_and_resume_flags(p: argparse.ArgumentParser) -> None:
+    """When a run saves, stops and continues: --time, checkpoints, NaN recovery, the watchdog, --resume."""
+    p.add_argument("--time", type=Range(float, min=0, max=1e6), default=0.0,
+                   help="training budget in hours: train the epochs that fit instead of --epochs, the LR schedule and "
+                        "close_mosaic fitted to them (0: off)")
+    p.add_argument("--save-period", type=Range(int), default=-1,
+                   help="also keep weights/epochN.pt every N epochs (< 1: off)")
+    p.add_argument("--save-interval", type=Range(float, min=0), default=0.0,
+                   help="also save last.pt mid-epoch every this many minutes; a resume skips the batches done (0: off)")
+    p.add_argument("--nan-recover", type=Range(int, min=0), default=0,
+                   help="on a NaN/inf loss, roll every rank back to the state before the last optimizer step, skip "
+                        "the batches since and halve the LR for the rest of the epoch, up to N times (0: stop the run)")
+    add_hang_timeout_flag(p)
     p.add_argument("--resume", nargs="?", const=True, default=False,
                    help="resume the latest run, a given last.pt, or 'auto': this run's last.pt if it exists "
                         "(for torchrun --max-restarts), else start it")
     p.add_argument("--allow-changes", action="store_true",
                    help="on --resume, accept arguments that change the training math (data, model, batch, hyp...)")
-    add_cache_flags(p)
-    add_local_rank_flag(p)
-    return p
 
 
 def main(opt: argparse.Namespace) -> None:
@@ -119,7 +127,7 @@ def main(opt: argparse.Namespace) -> None:
             # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
             dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
         try:
-            cfg = resolve_config(resume, device)  # frozen from here: precision, layout, hyp file, run folder
+            cfg = resolve_config(resume, device, info)  # frozen from here: precision, layout, hyp file, run folder
             train(cfg, info, device, resume.saved, stop, watch)
         finally:
             dist.cleanup_distributed()

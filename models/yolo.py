@@ -141,9 +141,16 @@ class Model(nn.Module):
 
 
 def de_parallel(model: nn.Module) -> nn.Module:
-    """The wrapped model of a DataParallel/DDP wrapper, else the model itself."""
+    """The model inside DataParallel/DDP wrappers and torch.compile's OptimizedModule (``_orig_mod``), in
+    any nesting, else the model itself: checkpoints save its plain state_dict keys."""
     wrappers = (nn.parallel.DataParallel, nn.parallel.DistributedDataParallel)
-    return model.module if isinstance(model, wrappers) else model
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def round_to_stride(imgsz: int, stride: int) -> int:

@@ -25,16 +25,17 @@ class Range:
     """An argparse ``type=`` that parses an int or a float and checks it against inclusive bounds.
 
     ``Range(int, min=1)``, ``Range(float, min=0, max=1)``; floats also refuse nan and inf.
-    ``note`` says why the bound is what it is, e.g. ``"the largest model stride"``.
+    ``note`` says why the bound is what it is, e.g. ``"the largest model stride"``; ``also`` names
+    values outside the bounds that mean something, e.g. ``{-1: "AutoBatch"}``.
     """
 
     def __init__(self, kind: type[int] | type[float], min: Number | None = None, max: Number | None = None,
-                 note: str = "") -> None:
+                 note: str = "", also: dict[Number, str] | None = None) -> None:
         if kind not in (int, float):
             raise TypeError(f"Range kind must be int or float, got {kind!r}")
         if min is not None and max is not None and min > max:
             raise ValueError(f"Range min {min} > max {max}")
-        self.kind, self.min, self.max, self.note = kind, min, max, note
+        self.kind, self.min, self.max, self.note, self.also = kind, min, max, note, dict(also or {})
         self.__name__ = self.describe()  # argparse names a type by __name__ in its own messages
 
     def describe(self) -> str:
@@ -47,7 +48,8 @@ class Range:
             what += f" >= {lo}"
         elif hi is not None:
             what += f" <= {hi}"
-        return what + (f" ({self.note})" if self.note else "")
+        what += f" ({self.note})" if self.note else ""
+        return what + "".join(f", or {v} for {meaning}" for v, meaning in self.also.items())
 
     def contains(self, value: object) -> bool:
         """Whether an already-parsed value (e.g. a default) is allowed."""
@@ -57,6 +59,8 @@ class Range:
             return False
         if isinstance(value, float) and not math.isfinite(value):
             return False
+        if value in self.also:
+            return True
         return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
 
     def __call__(self, text: str) -> Number:

@@ -173,7 +173,7 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
         ids = _device_ids(device, spec)
         chosen = torch.device("cuda", _cuda_index(device, ids, info, torch.cuda.device_count()))
         torch.cuda.set_device(chosen)
-    if batch_size and batch_size % info.world_size:
+    if batch_size > 0 and batch_size % info.world_size:  # -1: AutoBatch picks a multiple later
         raise UserError(f"--batch-size {batch_size} must be a multiple of the world size {info.world_size}")
     if info.is_main:
         if chosen.type == "cuda":

@@ -17,10 +17,14 @@ import torch
 from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
 from utils.core import dist
 from utils.core.cli import ResolvedArgs
+from utils.core.dist import DistInfo
 from utils.core.errors import UserError
 from utils.core.fileio import ROOT
+from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
+from utils.data.config import load_data_config
+from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
 from utils.engine.state import SavedRun
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
@@ -30,8 +34,11 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
+# --compile computes the same functions; like --device and --threads it can change the order of float
+# operations (inductor fuses kernels), so a resume that switches it is exact in maths, not in bits.
 RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
-                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic"}
+                   "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
+                   "compile"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 
@@ -100,15 +107,21 @@ def _same_arg(given, saved) -> bool:
     return given == saved
 
 
-def resolve_config(resume: Resume, device: torch.device) -> RunConfig:
-    """The frozen config: the device's layout and precision defaults, the family's hyp file and the run
-    folder (rank 0's choice, shared: call it on every rank once the process group is up)."""
+def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistInfo()) -> RunConfig:
+    """The frozen config: the device's layout and precision defaults, the family's hyp file, the run
+    folder (rank 0's choice, shared: call it on every rank once the process group is up) and
+    --batch-size -1's profiled batch (every rank's GPU, utils/engine/autobatch.py)."""
     args, saved = resume.args, resume.saved
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
+    channels_last = dist.channels_last_default(args.channels_last, device, half=amp)
+    batch = args.batch_size
+    if batch == AUTO_BATCH:
+        batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,
+                                info.world_size, amp, channels_last)
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": dist.channels_last_default(args.channels_last, device, half=amp), "amp": amp})
+                        "channels_last": channels_last, "amp": amp, "batch_size": batch})
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
@@ -118,5 +131,14 @@ def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str 
 
 def anchored_model(args: argparse.Namespace) -> bool:
     """Whether a fresh run's model has an anchor head (YOLOv5), which picks its family's hyp file."""
-    weights = load_weights_source(args.weights) if args.weights and not args.cfg else None
-    return head_has_anchors(load_model_yaml(model_source(args, weights))[0])
+    return head_has_anchors(load_model_yaml(model_source(args, _weights(args)))[0])
+
+
+def _weights(args: argparse.Namespace) -> WeightsSource | None:
+    """The --weights checkpoint whose yaml a fresh run builds (only when no --cfg is given)."""
+    return load_weights_source(args.weights) if args.weights and not args.cfg else None
+
+
+def _classes(args: argparse.Namespace) -> int:
+    """The class count a fresh run trains: the dataset yaml's names, or 1 with --single-cls."""
+    return 1 if args.single_cls else len(load_data_config(args.data).names)

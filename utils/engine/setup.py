@@ -210,14 +210,19 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
 
 
 def wrap_model(model: nn.Module, opt: RunConfig, info: DistInfo, device: torch.device) -> nn.Module:
-    """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed."""
+    """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed, then --compile."""
     sync_bn = bool(opt.sync_bn and info.distributed and device.type == "cuda")
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         LOGGER.info("Using SyncBatchNorm")
     elif opt.sync_bn:
         LOGGER.warning("WARNING: --sync-bn needs CUDA and more than one rank; using plain BatchNorm")
-    return dist.smart_DDP(model, device, sync_bn=sync_bn)
+    model = dist.smart_DDP(model, device, sync_bn=sync_bn)
+    if opt.compile:  # in place, after DDP (torch's advice): the module stays a DDP, its state_dict keys plain
+        model.compile()
+        LOGGER.info("--compile: torch.compile on the training model; the first steps, and each new input shape, "
+                    "compile and are slow (validation runs the EMA model uncompiled)")
+    return model
 
 
 def init_seeds(seed: int) -> None:
