@@ -77,6 +77,7 @@ class AnchorLoss:
         self.balance = {3: [4.0, 1.0, 0.4]}.get(self.nl, [4.0, 1.0, 0.25, 0.06, 0.02])
         self.gr = 1.0  # objectness target = gr * iou + (1 - gr)
         self._pos_weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (total loss * batch size, shape (1,)) and detached [box, obj, cls] items."""
@@ -126,6 +127,13 @@ class AnchorLoss:
             )
         return self._pos_weights[device]
 
+    def _constant(self, values: tuple, device: torch.device) -> torch.Tensor:
+        """A small float32 constant on ``device``, copied there once (not a host-to-device copy per step)."""
+        key = (values, device)
+        if key not in self._constants:
+            self._constants[key] = torch.tensor(values, device=device, dtype=torch.float32)
+        return self._constants[key]
+
     def build_targets(
         self, preds: list[torch.Tensor], targets: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]], list[torch.Tensor]]:
@@ -141,11 +149,11 @@ class AnchorLoss:
         # (na, nt, 7): image, cls, x, y, w, h, anchor index
         t_all = torch.cat((targets.unsqueeze(0).expand(na, nt, 6), ai[..., None]), 2)
         g = NEIGHBOUR_OFFSET
-        off = torch.tensor([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1]], device=device, dtype=torch.float32) * g
+        off = self._constant(((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1)), device) * g
         tcls, tbox, indices, anch = [], [], [], []
         for i, p in enumerate(preds):
             ny, nx = p.shape[2], p.shape[3]
-            gain = torch.tensor([1, 1, nx, ny, nx, ny, 1], device=device, dtype=torch.float32)
+            gain = self._constant((1, 1, nx, ny, nx, ny, 1), device)
             t = t_all * gain  # to grid units
             anchors = anchors_all[i]
             if nt:
