@@ -180,7 +180,7 @@ def test_torchrun_every_rank_refuses(tmp_path):
                        cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode != 0
     out = p.stdout + p.stderr
-    assert out.count("ERROR: argument --batch-size: must be an integer >= 1, got '0'") == 2, out[-3000:]
+    assert out.count("ERROR: argument --batch-size: must be an integer >= 1, or -1 for AutoBatch, got '0'") == 2, out[-3000:]
     # torchrun's launcher prints its own ChildFailedError report; no frame may come from our code
     ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
     assert not any(frame in out for frame in ours)
