@@ -50,7 +50,7 @@ def test_compile_is_a_flag_a_resume_may_switch():
 
 ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "1", "--seed", "5",
         "--epochs", "1", "--compile"]
-BACKEND = (sys.executable, str(ROOT / "tests" / "scripts" / "compile_backend.py"), "aot_eager")
+BACKEND = (sys.executable, str(ROOT / "tests" / "scripts" / "compile_backend.py"), "eager")
 
 
 def _run(*command: str) -> subprocess.CompletedProcess:
@@ -61,10 +61,9 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 def test_compiled_run_resumes_from_a_mid_epoch_checkpoint_exactly(tiny_data, tmp_path):
     """One epoch with --compile, straight and killed after its second step then resumed, end equal.
 
-    torch.compile runs with the aot_eager backend here (dynamo's graphs and AOTAutograd's joint forward
-    and backward, kernels run eagerly): inductor's default backend compiles C++ for minutes at the first
-    step on a small shared CPU, too slow for a test. Exact resume under inductor is measured in
-    docs/training.md (--compile)."""
+    torch.compile runs with the eager backend here (dynamo captures the graphs, kernels run eagerly):
+    inductor's default backend compiles C++ for minutes at the first step on a small shared CPU, too slow
+    for a test. Exact resume under inductor is measured in docs/training.md (--compile)."""
     common = ("--data", str(tiny_data), "--project", str(tmp_path), *ARGS)
     p = _run(*BACKEND, "train.py", *common, "--name", "straight")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
