@@ -50,6 +50,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def write_val_split(root: Path, n: int, hw: tuple[int, int], shade) -> Path:
+    """``root``/images/val with ``n`` flat-grey jpgs (image k has pixel value ``shade(k)``), each with one centred
+    box in ``root``/labels/val; returns the images folder."""
+    import cv2
+    import numpy as np
+
+    imgs, lbls = root / "images" / "val", root / "labels" / "val"
+    imgs.mkdir(parents=True)
+    lbls.mkdir(parents=True)
+    for k in range(n):
+        cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((*hw, 3), shade(k), np.uint8))
+        (lbls / f"{k}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
+    return imgs
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A tiny built-in shapes dataset yaml (generated on first use, like the real one)."""

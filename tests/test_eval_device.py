@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 import torch
 
 from models.yolo import Model
+from tests.conftest import write_val_split
 from utils.core.boxes import non_max_suppression
 from utils.core.dist import DistInfo
 from utils.data.config import load_data_config, prepare_dataset
@@ -21,13 +21,7 @@ from utils.infer.backends import TorchBackend
 
 @pytest.fixture
 def split(tmp_path) -> Path:
-    imgs, lbls = tmp_path / "images" / "val", tmp_path / "labels" / "val"
-    imgs.mkdir(parents=True)
-    lbls.mkdir(parents=True)
-    for k in range(5):
-        cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((48, 64, 3), 40 * k, np.uint8))
-        (lbls / f"{k}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
-    return imgs
+    return write_val_split(tmp_path, 5, (48, 64), lambda k: 40 * k)
 
 
 def test_synchronize_waits_for_cuda_only(monkeypatch):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import cv2
-import numpy as np
 import pytest
 import torch
 
+from tests.conftest import write_val_split
 from utils.core import cpu
 from utils.core.dist import DistInfo
 from utils.data.loader import create_dataloader
@@ -17,13 +16,7 @@ from utils.data.loader import create_dataloader
 
 @pytest.fixture
 def split(tmp_path) -> Path:
-    imgs, lbls = tmp_path / "images" / "val", tmp_path / "labels" / "val"
-    imgs.mkdir(parents=True)
-    lbls.mkdir(parents=True)
-    for k in range(4):
-        cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((24, 32, 3), 40 + k, np.uint8))
-        (lbls / f"{k}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
-    return imgs
+    return write_val_split(tmp_path, 4, (24, 32), lambda k: 40 + k)
 
 
 @pytest.mark.parametrize("initialized", [False, True])
