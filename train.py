@@ -20,6 +20,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from utils.core import dist
+from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.cpu import tune_malloc
@@ -34,7 +35,7 @@ from utils.engine.hooks import build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import build_training
-from utils.engine.state import SavedRun, StopReason
+from utils.engine.state import SavedRun, StopReason, TrainResult, train_result
 from utils.engine.summary import log_end_summary, log_start_summary
 
 
@@ -112,37 +113,39 @@ def add_stop_and_resume_flags(p: argparse.ArgumentParser) -> None:
                    help="on --resume, accept arguments that change the training math (data, model, batch, hyp...)")
 
 
-def main(opt: argparse.Namespace) -> None:
+def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainResult:
+    """Train as ``opt`` says; ``callbacks`` hear the run's events on rank 0 (the Python API's add_callback)."""
     info = dist.dist_info(opt.local_rank)
-    stop = StopRequest().install()  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
-    setup_logging(info.rank, info.world_size)
-    dist.set_cpu_threads(info, opt.threads)
-    resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
-    device = dist.select_device(resume.args.device, resume.args.batch_size, info)
-    dist.set_determinism(resume.args.deterministic, fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
-    if device.type == "cpu":
-        tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-    with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
-        with watch.phase("init process group"):
-            # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
-            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
-        try:
-            cfg = resolve_config(resume, device, info)  # frozen from here: precision, layout, hyp file, run folder
-            train(cfg, info, device, resume.saved, stop, watch)
-        finally:
-            dist.cleanup_distributed()
+    with StopRequest() as stop:  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
+        setup_logging(info.rank, info.world_size)
+        dist.set_cpu_threads(info, opt.threads)
+        resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
+        device = dist.select_device(resume.args.device, resume.args.batch_size, info)
+        dist.set_determinism(resume.args.deterministic, fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
+        if device.type == "cpu":
+            tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
+        with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
+            with watch.phase("init process group"):
+                # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
+                dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
+            try:
+                cfg = resolve_config(resume, device, info)  # frozen from here: precision, layout, hyp file, run folder
+                return train(cfg, info, device, resume.saved, stop, watch, callbacks)
+            finally:
+                dist.cleanup_distributed()
 
 
 def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: SavedRun | None, stop: StopRequest,
-          watch: Watchdog) -> None:
+          watch: Watchdog, callbacks: Callbacks | None = None) -> TrainResult:
     """Build the run, train its epochs, then act on why they ended: finish, or exit for a requeue or a NaN."""
     started = time.time()
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
         t = build_training(cfg, info, device, saved, started)  # data, model, loaders, anchors, optimizer, state, DDP
-        hooks = build_hooks(t)  # checkpoints, pictures, the epoch's end, --save-interval's clock
+        hooks = build_hooks(t, callbacks)  # checkpoints, pictures, the epoch's end, events, --save-interval's clock
         hooks.plots.labels(t.train_loader.dataset)
     if info.is_main:
         log_start_summary(t)
+    hooks.events.emit("on_train_start")
     end = run_epochs(t, hooks, stop, watch)  # phases loader, step, validation, save
     with watch.phase("finish"):
         release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
@@ -151,9 +154,12 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
     if end.reason is StopReason.PREEMPTED:
         raise Preempted(end.message)
     hooks.checkpointer.finish(strip=not cfg.keep_optimizer)
+    result = train_result(t, end)
     if info.is_main:
         hooks.plots.results()
         log_end_summary(t, end.epochs, time.time() - started)
+    hooks.events.emit("on_train_end", path=result.best, metrics=result.metrics)
+    return result
 
 
 @record

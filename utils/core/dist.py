@@ -28,6 +28,7 @@ from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
 _CPU_GROUP = None  # gloo group for object collectives and long waits (set by init_distributed)
+_OWN_GROUP = False  # init_distributed created the default group (a script of the user's may have made it)
 LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets
 
 
@@ -234,8 +235,11 @@ def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float 
 
     ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise),
     so a rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up."""
-    global _CPU_GROUP
-    if not info.distributed or is_dist():
+    global _CPU_GROUP, _OWN_GROUP
+    if not info.distributed:
+        return
+    if is_dist():  # a script launched by torchrun joined the group itself (the Python API): train on it
+        _CPU_GROUP = _CPU_GROUP or dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=min_timeout_s))
@@ -245,7 +249,7 @@ def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float 
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=info.rank,
                                 world_size=info.world_size)
-    _CPU_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+    _CPU_GROUP, _OWN_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), True
 
 
 def _restart_store(info: DistInfo, timeout: datetime.timedelta):
@@ -265,11 +269,12 @@ def _restart_store(info: DistInfo, timeout: datetime.timedelta):
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group (safe to call when none exists)."""
-    global _CPU_GROUP
+    """Leave the process group init_distributed created (safe to call when none exists); a group the
+    caller made stays, less the CPU group made for it."""
+    global _CPU_GROUP, _OWN_GROUP
     if is_dist():
-        dist.destroy_process_group()
-    _CPU_GROUP = None
+        dist.destroy_process_group(None if _OWN_GROUP else _CPU_GROUP)
+    _CPU_GROUP, _OWN_GROUP = None, False
 
 
 @contextmanager

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from utils.core import dist
+from utils.core.callbacks import Callbacks
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
+from utils.engine.events import RunEvents
 from utils.engine.state import make_checkpoint
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
@@ -43,27 +45,32 @@ class Checkpointer:
     """Every checkpoint write of a run, from rank 0 only: last.pt (each epoch and mid-epoch),
     best.pt, epochN.pt (--save-period), and stripping the optimizer at the end."""
 
-    def __init__(self, weights_dir: Path, info: DistInfo, save_period: int = -1) -> None:
-        self.dir, self.info, self.save_period = Path(weights_dir), info, save_period
+    def __init__(self, weights_dir: Path, info: DistInfo, save_period: int = -1, events: RunEvents | None = None) -> None:
+        self.dir, self.info, self.save_period, self.events = Path(weights_dir), info, save_period, events
         self.last, self.best = self.dir / "last.pt", self.dir / "best.pt"
+
+    def _save(self, ckpt: dict, path: Path) -> None:
+        save_checkpoint(ckpt, path)
+        if self.events is not None:
+            self.events.emit("on_model_save", path=path)
 
     def save_epoch(self, t, is_best: bool) -> None:
         """After epoch ``t.state.epoch``: last.pt, best.pt when it is the best so far, epochN.pt when due."""
         if not self.info.is_main:
             return
         ckpt = make_checkpoint(t)
-        save_checkpoint(ckpt, self.last)
+        self._save(ckpt, self.last)
         if is_best:
-            save_checkpoint(ckpt, self.best)
+            self._save(ckpt, self.best)
         epoch = t.state.epoch
         if self.save_period > 0 and (epoch + 1) % self.save_period == 0:
-            save_checkpoint(ckpt, self.dir / f"epoch{epoch + 1}.pt")
+            self._save(ckpt, self.dir / f"epoch{epoch + 1}.pt")
 
     def save_mid_epoch(self, t) -> None:
         """--save-interval or a stop signal: last.pt at an optimizer step inside ``t.state.epoch``."""
         if not self.info.is_main:
             return
-        save_checkpoint(make_checkpoint(t), self.last)
+        self._save(make_checkpoint(t), self.last)
         LOGGER.info(f"Saved {self.last} at epoch {t.state.epoch + 1}, batch {t.state.batch}/{t.batches_per_epoch}")
 
     def finish(self, strip: bool) -> None:
@@ -106,21 +113,24 @@ class Hooks:
     checkpointer: Checkpointer
     plots: RunPlots
     end_epoch: EpochEnd
+    events: RunEvents
 
 
-def build_hooks(t) -> Hooks:
-    checkpointer = Checkpointer(t.weights_dir, t.info, t.cfg.save_period)
+def build_hooks(t, callbacks: Callbacks | None = None) -> Hooks:
+    """``callbacks``: the listeners to the run's events (the Python API's, the trackers')."""
+    events = RunEvents(t, callbacks)
+    checkpointer = Checkpointer(t.weights_dir, t.info, t.cfg.save_period, events)
     plots = RunPlots(t.save_dir, t.names, enabled=t.info.is_main and not t.cfg.noplots)
     return Hooks(clock=SaveClock(t.cfg.save_interval), checkpointer=checkpointer, plots=plots,
-                 end_epoch=EpochEnd(t, checkpointer))
+                 end_epoch=EpochEnd(t, checkpointer, events), events=events)
 
 
 class EpochEnd:
     """After each epoch: early stop (decided once, broadcast), best fitness, the results.csv row
     (built by column name), the log line and the epoch's checkpoints."""
 
-    def __init__(self, t, checkpointer: Checkpointer) -> None:
-        self.t, self.checkpointer = t, checkpointer
+    def __init__(self, t, checkpointer: Checkpointer, events: RunEvents) -> None:
+        self.t, self.checkpointer, self.events = t, checkpointer, events
         names = t.criterion.loss_names
         self.csv = ResultsCSV(t.save_dir / "results.csv", loss_names=names)
         if t.info.is_main and t.state.resumed:
@@ -137,12 +147,14 @@ class EpochEnd:
         stop = dist.broadcast_object(result is not None and state.stopper(epoch, fitness) and not final)
         is_best = fitness >= state.best_fitness and result is not None
         state.best_fitness = max(state.best_fitness, fitness)
-        if t.info.is_main:
-            self._log(mloss, lrs, result)
+        row = self._log(mloss, lrs, result) if t.info.is_main else {}
         self.checkpointer.save_epoch(t, is_best)
+        self.events.emit("on_fit_epoch_end", metrics=row, fitness=fitness if result else None, is_best=is_best,
+                         lr=lrs, losses=dict(zip(t.criterion.loss_names, mloss.tolist())))
         return stop
 
-    def _log(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> None:
+    def _log(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> dict[str, float]:
+        """The results.csv row and the log line; returns the row."""
         t, state = self.t, self.t.state
         m, names = state.metrics, t.criterion.loss_names
         row = {f"train/{n}_loss": v for n, v in zip(names, mloss.tolist())}
@@ -154,3 +166,4 @@ class EpochEnd:
         LOGGER.info(f"epoch {state.epoch + 1}/{state.epochs}: {losses}"
                     + (f" | P {m.mp:.3f} R {m.mr:.3f} mAP50 {m.map50:.3f} mAP50-95 {m.map:.4f}" if result else "")
                     + f" | {time.time() - state.clock.started:.0f}s")
+        return row

@@ -77,10 +77,12 @@ def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) ->
         t.train_loader.sampler.set_epoch(state.epoch, skip=first * t.batch)
         if state.epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {state.epochs - state.epoch} epochs train without it")
+        hooks.events.emit("on_train_epoch_start", lr=t.lr.values())
         ended = train_one_epoch(t, loop, hooks, stop, watch)
         if ended.stop is not None:
             return ended.stop
         lrs = t.lr.values()
+        hooks.events.emit("on_train_epoch_end", lr=lrs, losses=dict(zip(t.criterion.loss_names, ended.mloss.tolist())))
         t.lr.next_epoch()
         with watch.phase("validation", f"epoch {state.epoch + 1}"):  # each batch is progress
             result = validate(t)
@@ -90,6 +92,7 @@ def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) ->
                 state.replan(fits, close)  # before the checkpoint
             if result is None and state.epoch + 1 == state.epochs:  # --noval, and --time just made this the last
                 result = validate(t)
+            hooks.events.val_end(result)
         with watch.phase("save", f"epoch {state.epoch + 1}"):
             early = hooks.end_epoch(ended.mloss, lrs, result)  # results.csv row, early stop, last/best.pt
             if result is not None and state.epoch + 1 == state.epochs:
@@ -151,6 +154,7 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
             mloss = torch.where(finite, (mloss * i + fw.loss_items) / (i + 1), mloss)
             backward(t, fw.loss)
             if not fw.steps:
+                hooks.events.batch_end(ni, mloss, stepped=False)
                 continue
             flags = check_step(loop.window_bad, mloss, t.info, hooks.clock.due(t.info), stop.requested)
             loop.window_bad, loop.stopping = None, loop.stopping or flags.stop
@@ -173,6 +177,7 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
                     where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
                     return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
             bar.update(i, flags.mloss, batch, fw.imgs)
+            hooks.events.batch_end(ni, flags.mloss, stepped=True)
     return EpochEnded(dist.reduce_mean(mloss).cpu())
 
 

@@ -21,6 +21,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None  # the first signal's name; a second one changes nothing
+        self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
@@ -31,8 +32,20 @@ class StopRequest:
         no-op elsewhere, e.g. when train.main runs inside a test's worker thread)."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                signal.signal(sig, self._handle)
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
+
+    def restore(self) -> None:
+        """Give the signals back to the handlers before install() (a Python API caller's process lives on)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> StopRequest:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
     def _handle(self, signum: int, frame) -> None:  # async: only record (no logging, no I/O)
         if self.signal is None:

@@ -50,6 +50,28 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class TrainResult:
+    """What a finished run hands its caller (train.py's main, the Python API): its files and best.pt's scores."""
+
+    save_dir: Path
+    best: Path | None  # None when no epoch was validated
+    last: Path
+    metrics: dict[str, Any]  # best.pt's validation (DetectionMetrics.as_dict: mp, mr, map50, map, fitness, per class)
+    epochs: int  # epochs trained to their end in this call
+    stop: str  # a StopReason value: finished, time budget or early stop
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (json): the Python API carries a data-parallel run's result from rank 0 this way."""
+        return {**asdict(self), "save_dir": str(self.save_dir), "best": str(self.best) if self.best else None,
+                "last": str(self.last)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainResult:
+        return cls(**{**d, "save_dir": Path(d["save_dir"]), "best": Path(d["best"]) if d["best"] else None,
+                      "last": Path(d["last"])})
+
+
+@dataclass(frozen=True)
 class SavedRun:
     """A checkpoint to resume, read once; ``load`` refuses files that hold no training state."""
 
@@ -181,6 +203,14 @@ def run_record(t) -> dict[str, Any]:
 def make_checkpoint(t) -> dict[str, Any]:
     """Everything an exact continuation needs, in weights_only-safe types."""
     return {**t.state.state_dict(), **run_record(t)}
+
+
+def train_result(t, end: Stop) -> TrainResult:
+    """The finished run's result, on every rank (best.pt's metrics are read where the file is: rank 0's node)."""
+    best, last = t.save_dir / "weights" / "best.pt", t.save_dir / "weights" / "last.pt"
+    best = best if best.exists() else None
+    return TrainResult(save_dir=t.save_dir, best=best, last=last, metrics=saved_metrics(best) if best else {},
+                       epochs=end.epochs, stop=end.reason.value)
 
 
 def saved_metrics(path: Path) -> dict[str, float]:
