@@ -10,6 +10,7 @@ detections, and so every file, are the same for any world size. What was done is
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.data.loader import InferenceSampler
-from utils.data.sources import (Item, LetterboxedImages, Sources, VideoInfo, assign_videos, collate_items,
+from utils.data.sources import (LetterboxedImages, Sources, VideoInfo, assign_videos, collate_items,
                                 UnreadableVideo, probe_video, read_video)
 from utils.infer.predict import Predictor
 from utils.infer.save import VideoSink, Writer
@@ -86,68 +87,114 @@ def my_videos(sources: Sources, image_loads: list[int], info: DistInfo) -> list[
     return [(v, p) for v, p, r in zip(sources.videos, probes, owner) if r == info.rank]
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """One image or video frame's detections: ``det`` (n, 6) [x1, y1, x2, y2, conf, cls] in original pixels."""
+
+    path: str
+    stem: str  # the unique output stem; a video frame's ends in _<frame>
+    det: np.ndarray
+    hw: tuple[int, int]  # the original (height, width)
+    original: np.ndarray | None  # BGR as read, when asked for
+    frame: int | None = None  # a video's frame number (from 1); None for an image
+    fps: float = 0.0  # a video's frame rate
+
+
+def image_loads(sources: Sources, settings: ShardSettings, info: DistInfo) -> list[int]:
+    """Images per rank (InferenceSampler's deal)."""
+    batch = max(min(settings.batch_size, len(sources.images)), 1)
+    return [len(InferenceSampler(len(sources.images), batch, r, info.world_size)) for r in range(info.world_size)]
+
+
+def predict_batches(sources: Sources, predictor: Predictor, settings: ShardSettings, info: DistInfo,
+                    keep_original: bool, report: ShardReport,
+                    videos: list[tuple[str, VideoInfo]] | None = None) -> Iterator[list[Prediction]]:
+    """This rank's images, then its videos (``videos``: my_videos' deal, when already made), a batch of
+    Predictions at a time: detect.py writes them, the Python API hands them out as they come. Counts and
+    skipped files go to ``report``."""
+    loader = image_loader(sources.images, settings, keep_original, info) if sources.images else None
+    videos = my_videos(sources, image_loads(sources, settings, info), info) if videos is None else videos
+    for batch in watchdog.beats(loader or ()):  # each batch is progress: a long run is not a hang
+        for item in batch.failed:
+            report.skip(item.path, item.error)
+        if batch.images is not None:
+            dets = predictor(batch.images, [it.placement for it in batch.items])
+            yield [Prediction(it.path, sources.stems[it.path], det, it.placement.orig_hw, it.original)
+                   for it, det in zip(batch.items, dets)]
+            report.images += len(dets)
+    for path, probe in videos:
+        yield from _video(path, probe, predictor, sources.stems[path], settings, keep_original, report)
+
+
+def _video(path: str, probe: VideoInfo, predictor: Predictor, stem: str, settings: ShardSettings, keep_original: bool,
+           report: ShardReport) -> Iterator[list[Prediction]]:
+    """One video, frame batch by frame batch, in order."""
+    if probe.error:
+        report.skip(path, probe.error)
+        return
+    frames = 0
+    try:
+        for batch in read_video(path, settings.imgsz, settings.batch_size, keep_original):
+            dets = predictor(torch.stack([it.image for it in batch]), [it.placement for it in batch])
+            yield [Prediction(path, f"{stem}_{it.index}", det, it.placement.orig_hw, it.original, it.index, probe.fps)
+                   for it, det in zip(batch, dets)]
+            frames += len(batch)
+            watchdog.beat()
+    except UnreadableVideo as e:
+        report.skip(path, str(e))
+        return
+    report.frames += frames
+    report.videos += 1
+
+
 def run_shard(sources: Sources, predictor: Predictor, writer: Writer, settings: ShardSettings,
               info: DistInfo) -> ShardReport:
     """Detect on this rank's images and videos, writing each one's files; returns the report."""
     report = ShardReport(nc=len(writer.names))
-    loader = image_loader(sources.images, settings, writer.opts.needs_original, info) if sources.images else None
-    loads = [len(InferenceSampler(len(sources.images), max(min(settings.batch_size, len(sources.images)), 1), r,
-                                  info.world_size)) for r in range(info.world_size)]
+    loads = image_loads(sources, settings, info)
     videos = my_videos(sources, loads, info)
     total = loads[info.rank] + sum(p.frames for _, p in videos)
+    sinks = VideoSinks(writer)
     with tqdm(total=total, desc="detect", unit="img", disable=not info.is_main, leave=False) as bar:
-        if loader is not None:
-            for batch in watchdog.beats(loader):  # each batch is progress: a long run is not a hang
-                for item in batch.failed:
-                    report.skip(item.path, item.error)
-                if batch.images is not None:
-                    _images(batch.images, batch.items, predictor, writer, sources, report)
-                bar.update(len(batch.items) + len(batch.failed))
-        for path, probe in videos:
-            _video(path, probe, predictor, writer, sources.stems[path], settings, report, bar)
+        try:
+            for batch in predict_batches(sources, predictor, settings, info, writer.opts.needs_original, report,
+                                         videos):
+                for p in batch:
+                    write_prediction(p, writer, sinks)
+                    report.count(p.det)
+                bar.update(len(batch))
+        finally:
+            sinks.close()
     report.times = predictor.times.copy()
     report.label_files = writer.label_files
     return report
 
 
-def _images(images: torch.Tensor, items: list[Item], predictor: Predictor, writer: Writer, sources: Sources,
-            report: ShardReport) -> None:
-    dets = predictor(images, [it.placement for it in items])
-    for it, det in zip(items, dets):
-        stem = sources.stems[it.path]
-        writer.detections(det, it.placement.orig_hw, stem, it.original)
-        if it.original is not None:
-            writer.image(it.original, det, stem + Path(it.path).suffix)
-        report.count(det)
-        report.images += 1
+def write_prediction(p: Prediction, writer: Writer, sinks: VideoSinks) -> None:
+    """An image's or frame's files: labels and crops, and its annotated picture or video frame."""
+    writer.detections(p.det, p.hw, p.stem, p.original)
+    if p.original is None:
+        return
+    if p.frame is None:
+        writer.image(p.original, p.det, p.stem + Path(p.path).suffix)
+    elif writer.opts.save_img:
+        sinks.get(p).write(writer.annotate(p.original, p.det))
 
 
-def _video(path: str, probe: VideoInfo, predictor: Predictor, writer: Writer, stem: str, settings: ShardSettings,
-           report: ShardReport, bar: tqdm) -> None:
-    """One video, frame batch by frame batch; the annotated .mp4 keeps the source's frame rate and size."""
-    if probe.error:
-        report.skip(path, probe.error)
-        return
-    sink: VideoSink | None = None
-    frames = 0
-    try:
-        for batch in read_video(path, settings.imgsz, settings.batch_size, writer.opts.needs_original):
-            dets = predictor(torch.stack([it.image for it in batch]), [it.placement for it in batch])
-            for it, det in zip(batch, dets):
-                writer.detections(det, it.placement.orig_hw, f"{stem}_{it.index}", it.original)
-                if writer.opts.save_img:
-                    if sink is None:
-                        sink = VideoSink(writer.dir / f"{stem}.mp4", probe.fps, it.original.shape[:2])
-                    sink.write(writer.annotate(it.original, det))
-                report.count(det)
-            frames += len(batch)
-            bar.update(len(batch))
-            watchdog.beat()
-    except UnreadableVideo as e:
-        report.skip(path, str(e))
-        return
-    finally:
-        if sink is not None:
-            sink.close()
-    report.frames += frames
-    report.videos += 1
+class VideoSinks:
+    """The annotated video being written: a video's frames arrive in order, one video after another."""
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer, self.path, self.sink = writer, None, None
+
+    def get(self, p: Prediction) -> VideoSink:
+        if p.path != self.path:
+            self.close()
+            stem = p.stem.rsplit("_", 1)[0]
+            self.path, self.sink = p.path, VideoSink(self.writer.dir / f"{stem}.mp4", p.fps, p.original.shape[:2])
+        return self.sink
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+        self.path, self.sink = None, None
