@@ -113,19 +113,29 @@ def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.Di
     LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
                 f"{len(sources.images)} images, {len(sources.videos)} videos")
     save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
-    predictor = Predictor(backend, device, PredictOptions(
-        conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
-        classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
-        multi_label=opt.multi_label, half=opt.half,
-        channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device, half=opt.half)))
-    writer = Writer(save_dir, meta.names, SaveOptions(
-        save_img=not opt.nosave, save_txt=opt.save_txt, save_conf=opt.save_conf, save_crop=opt.save_crop,
-        line_width=opt.line_thickness, hide_labels=opt.hide_labels, hide_conf=opt.hide_conf))
+    predictor = Predictor(backend, device, predict_options(opt, meta, device))
+    writer = Writer(save_dir, meta.names, save_options(opt))
     started = time.perf_counter()
     report = run_shard(sources, predictor, writer, ShardSettings(imgsz, opt.batch_size, opt.workers), info)
     if info.is_main:
         note_problems(sources.problems, sources.duplicates, report)
     return finish(report, list(meta.names), started, imgsz, opt.batch_size, save_dir, info)
+
+
+def predict_options(opt: argparse.Namespace, meta: ModelMeta, device: torch.device) -> PredictOptions:
+    """The flags that decide which boxes come out (shared with the Python API's predict)."""
+    return PredictOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
+                          classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
+                          multi_label=opt.multi_label, half=opt.half,
+                          channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device,
+                                                                                                half=opt.half))
+
+
+def save_options(opt: argparse.Namespace) -> SaveOptions:
+    """The flags that decide which files are written and how pictures look."""
+    return SaveOptions(save_img=not opt.nosave, save_txt=opt.save_txt, save_conf=opt.save_conf,
+                       save_crop=opt.save_crop, line_width=opt.line_thickness, hide_labels=opt.hide_labels,
+                       hide_conf=opt.hide_conf)
 
 
 def note_problems(problems: list[tuple[str, str]], duplicates: int, report: ShardReport) -> None:

@@ -35,7 +35,7 @@ from utils.engine.hooks import build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import build_training
-from utils.engine.state import SavedRun, StopReason, TrainResult, train_result
+from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
 from utils.engine.summary import log_end_summary, log_start_summary
 
 
@@ -164,7 +164,7 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
 
 @record
 def cli(argv: list[str] | None = None) -> int:
-    return run_entry_point(lambda: main(parse_opt(argv)))
+    return run_entry_point(lambda: hand_back(main(parse_opt(argv)), dist.dist_info().is_main))
 
 
 if __name__ == "__main__":

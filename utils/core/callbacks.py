@@ -65,8 +65,12 @@ class Callbacks:
             except Exception as e:
                 raise CallbackError(f"callback {callback_name(fn)} on {event} raised {type(e).__name__}: {e}") from e
 
+    def listened(self) -> list[str]:
+        """The events someone listens to."""
+        return [e for e, fns in self._listeners.items() if fns]
+
     def merged(self, other: Callbacks | None) -> Callbacks:
-        """A new registry with this one's listeners, then ``other``'s."""
+        """A new registry with this one's listeners, then ``other``'s (the trackers', then the user's)."""
         out = Callbacks()
         for source in (self, other):
             for event, fns in (source._listeners.items() if source else ()):

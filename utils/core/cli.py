@@ -18,6 +18,8 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any, NoReturn, Union
 
+from utils.core.errors import UserError
+
 Number = Union[int, float]
 
 
@@ -87,8 +89,13 @@ class ArgumentParser(argparse.ArgumentParser):
     The usage dump is left out (``-h`` still prints it); the message keeps argparse's wording.
     """
 
+    raise_errors = False  # the Python API's parsers: the same message, raised as a UserError instead of exit 2
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"ERROR: {' '.join(str(message).split())}\n")
+        text = " ".join(str(message).split())
+        if self.raise_errors:
+            raise UserError(text)
+        self.exit(2, f"ERROR: {text}\n")
 
 
 def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True) -> None:

@@ -6,7 +6,10 @@ entry points print its message without a traceback and exit non-zero on every ra
 from __future__ import annotations
 
 import difflib
+import json
+import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 
 from utils.core.logging import LOGGER
@@ -33,7 +36,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 def run_entry_point(main: Callable[[], object]) -> int:
     """Run a CLI's main(): a UserError becomes its message on stderr (no traceback) and exit code 1.
 
-    Every rank runs this, so each one exits non-zero with the reason instead of hanging.
+    Every rank runs this, so each one exits non-zero with the reason instead of hanging. Under torchrun (or the
+    Python API's launcher) the message also goes to torchelastic's error file, where the launcher reads it.
     """
     try:
         main()
@@ -42,8 +46,21 @@ def run_entry_point(main: Callable[[], object]) -> int:
             LOGGER.error(f"ERROR: {e}")
         else:
             print(f"ERROR: {e}", file=sys.stderr)
+        _tell_launcher(e)
         return 1
     except Preempted as e:
         LOGGER.warning(str(e))
+        _tell_launcher(e)
         return EXIT_PREEMPTED
     return 0
+
+
+def _tell_launcher(e: Exception) -> None:
+    """torchelastic's error-file format, message only: a user error needs no traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": f"{type(e).__name__}: {e}", "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the launcher then reports the exit code alone

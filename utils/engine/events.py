@@ -11,6 +11,7 @@ import torch
 
 from models.yolo import de_parallel
 from utils.core.callbacks import Callbacks
+from utils.core.runs import ResultsCSV
 from utils.eval.evaluate import EvalResult
 
 
@@ -59,17 +60,15 @@ class ValEvent:
     """on_val_end: a validation's result (in training, each epoch's; in val.py or YOLO.val, the run's)."""
 
     event: str
-    metrics: dict[str, float]  # P, R, mAP50, mAP50-95 and fitness
+    metrics: dict[str, float]  # P, R, mAP50, mAP50-95 (results.csv's names) and fitness
     result: EvalResult
     save_dir: Path | None = None
     epoch: int | None = None  # in training: the epoch validated, 0-based
 
 
 def metric_summary(result: EvalResult) -> dict[str, float]:
-    """The headline figures of a validation, named as results.csv names them."""
-    m = result.metrics
-    return {"metrics/precision(B)": m.mp, "metrics/recall(B)": m.mr, "metrics/mAP50(B)": m.map50,
-            "metrics/mAP50-95(B)": m.map, "fitness": m.fitness()}
+    """The headline figures of a validation, named as results.csv names them, and the fitness."""
+    return {**ResultsCSV.metric_row(result.metrics), "fitness": result.metrics.fitness()}
 
 
 class RunEvents:

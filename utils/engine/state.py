@@ -14,6 +14,8 @@ batches done). A checkpoint taken inside an epoch records the epochs done before
 from __future__ import annotations
 
 import enum
+import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from torch import nn
 
 from models.yolo import de_parallel
 from utils.core.errors import UserError
+from utils.core.fileio import atomic_write
 from utils.data.loader import TrainSampler
 from utils.engine.rng import rng_states, set_rng_states
 from utils.engine.budget import TimeBudget
@@ -203,6 +206,17 @@ def run_record(t) -> dict[str, Any]:
 def make_checkpoint(t) -> dict[str, Any]:
     """Everything an exact continuation needs, in weights_only-safe types."""
     return {**t.state.state_dict(), **run_record(t)}
+
+
+RESULT_FILE_ENV = "YOLOTRAIN_RESULT_FILE"  # set by the Python API's launcher (yolotrain/launch.py)
+
+
+def hand_back(result: TrainResult, is_main: bool) -> None:
+    """Rank 0 leaves its result where the Python API's launcher asked (json), when it asked."""
+    path = os.environ.get(RESULT_FILE_ENV)
+    if path and is_main:
+        with atomic_write(path, "w", encoding="utf-8") as f:
+            json.dump(result.as_dict(), f)
 
 
 def train_result(t, end: Stop) -> TrainResult:

@@ -1,0 +1,67 @@
+"""Data-parallel training from Python: the ranks are started by torch's own elastic launcher (what
+torchrun runs), each one ``python train.py`` with the same arguments, so a run from the API is the
+torchrun run, its failures included. No script is written anywhere: the entry point is train.py.
+
+Rank 0 hands its TrainResult back through a json file named in the ranks' environment
+(utils/engine/state.RESULT_FILE_ENV); a rank's UserError reaches the launcher through torchelastic's
+error file (utils/core/errors.run_entry_point) and is raised here with the same message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from collections.abc import Iterator
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from utils.core.errors import EXIT_PREEMPTED, Preempted, UserError
+from utils.core.fileio import ROOT
+from utils.engine.state import RESULT_FILE_ENV, TrainResult
+
+
+def launch_training(argv: list[str], nproc: int) -> TrainResult:
+    """``torchrun --standalone --nproc_per_node nproc train.py *argv``, in-process; returns rank 0's result."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"yolotrain-{uuid.uuid4()}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    with tempfile.TemporaryDirectory(prefix="yolotrain-result-") as tmp, _env(RESULT_FILE_ENV, str(Path(tmp) / "r.json")):
+        try:
+            elastic_launch(config, sys.executable)(str(ROOT / "train.py"), *argv)
+        except ChildFailedError as e:
+            raise _as_user_error(e) from None
+        result = Path(tmp) / "r.json"
+        if not result.exists():
+            raise UserError(f"training ranks finished but rank 0 left no result in {result}")
+        return TrainResult.from_dict(json.loads(result.read_text()))
+
+
+def _as_user_error(e: ChildFailedError) -> Exception:
+    """A rank's own message (UserError, preemption) as the exception the in-process run would raise; a crash
+    stays torch's ChildFailedError, with every rank's exit code and traceback."""
+    for failure in sorted(e.failures.values(), key=lambda f: f.timestamp):
+        message = failure.message if isinstance(failure.message, str) else ""
+        kind, _, text = message.partition(": ")
+        if failure.exitcode == 1 and kind == "UserError":
+            return UserError(text)
+        if failure.exitcode == EXIT_PREEMPTED and kind == "Preempted":
+            return Preempted(text)
+    return e
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """Set one variable for the ranks (they inherit this process's environment), then restore it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
