@@ -225,7 +225,7 @@ def save_outputs(opt: argparse.Namespace, result: EvalResult, dataset, names: li
     if opt.save_txt:
         save_txt(result.detections, dataset, save_dir, opt.save_conf)
     if opt.save_json:
-        save_json(result.detections, dataset, names, save_dir)
+        save_json(result.detections, dataset, names, save_dir, coco.SourceIds.from_data(data, names))
     if not opt.noplots:
         save_eval_plots(result, names, save_dir)
     coco.write_json({"weights": str(weights), "data": str(data.file), "task": task_split(opt), "imgsz": imgsz,

@@ -1,7 +1,7 @@
 """The README and docs/ stay true to the repo: links resolve, every CLI flag is documented, the
 README stays a short front door, and the pages describe what is rather than what changed.
 
-Fast: reads text files and builds the four CLIs' argument parsers; nothing trains.
+Fast: reads text files and builds the CLIs' argument parsers; nothing trains.
 """
 from __future__ import annotations
 
@@ -98,6 +98,18 @@ def test_every_flag_documented(cli: str):
     assert "--weights" in flags and "--local-rank" not in flags and "--help" not in flags
     missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", docs_text)]
     assert not missing, f"{cli}: flags not documented in any docs/*.md: {', '.join(missing)}"
+
+
+def test_every_convert_flag_documented():
+    """python -m yolotrain.convert: each subcommand's flags (argparse keeps them in its subparsers)."""
+    from yolotrain import convert
+
+    docs_text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md")))
+    subs = [a for a in convert.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    flags = sorted({f for sub in subs for parser in sub.choices.values() for f in long_options(parser)})
+    assert {"--images", "--keep-difficult", "--names", "--exist-ok"} <= set(flags)
+    missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", docs_text)]
+    assert not missing, f"yolotrain/convert.py: flags not documented in any docs/*.md: {', '.join(missing)}"
 
 
 def test_readme_is_short():

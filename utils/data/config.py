@@ -6,6 +6,8 @@ UserError naming the file and the key, so a typo costs a second rather than a tr
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ class DataConfig:
     anchors: list | None = None  # optional per-level [w, h, ...] pixel lists overriding the model's
     path_text: str | None = None  # 'path' as written, to say where YOLOv5/Ultralytics would have looked
     has_download: bool = False  # YOLOv5's 'download' (URL or code): only named in errors, never fetched or run
+    category_ids: list[int] | None = None  # a converted dataset's source category id per class (yolotrain.convert)
+    image_ids: Path | None = None  # its json {image path relative to root: source image id}
 
     @property
     def nc(self) -> int:
@@ -60,6 +64,37 @@ def _split_paths(file: Path, root: Path, key: str, value: Any) -> list[str]:
     if not all(isinstance(v, str) for v in items):
         raise UserError(f"{file}: '{key}' must be a path or a list of paths")
     return [str(p if (p := Path(v).expanduser()).is_absolute() else root / p) for v in items]
+
+
+def _category_ids(file: Path, ids: Any, nc: int) -> list[int] | None:
+    """'category_ids': one distinct integer per class, the source's COCO category id (optional)."""
+    if ids is None:
+        return None
+    if (not isinstance(ids, list) or len(ids) != nc or len(set(map(str, ids))) != nc
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise UserError(f"{file}: 'category_ids' must list {nc} distinct integers, one per class in 'names'")
+    return ids
+
+
+def _image_ids_file(file: Path, root: Path, value: Any) -> Path | None:
+    """'image_ids': a json file (relative to the root) mapping image paths to source image ids (optional)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{file}: 'image_ids' must be the path of a json file")
+    return p if (p := Path(value).expanduser()).is_absolute() else root / p
+
+
+def load_image_ids(cfg: DataConfig) -> dict[str, int]:
+    """The 'image_ids' map keyed by each image's real path (links resolved), so any path to it matches."""
+    path = cfg.image_ids
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cfg.file}: 'image_ids' file {path} cannot be read: {e}") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw.values()):
+        raise UserError(f"{path}: expected a mapping of image paths to integer image ids")
+    return {os.path.realpath(cfg.root / k): v for k, v in raw.items()}
 
 
 def load_data_config(path: str | Path) -> DataConfig:
@@ -92,6 +127,8 @@ def load_data_config(path: str | Path) -> DataConfig:
         anchors=None if raw.get("anchors") is None else check_anchors_spec(raw["anchors"], f"{file}: 'anchors'"),
         path_text=path_text,
         has_download=bool(raw.get("download")),
+        category_ids=_category_ids(file, raw.get("category_ids"), len(names)),
+        image_ids=_image_ids_file(file, root, raw.get("image_ids")),
     )
     if not cfg.train or not cfg.val:
         raise UserError(f"{file}: 'train' and 'val' must name at least one path each")

@@ -76,7 +76,8 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
         self.im_files, self.label_files = list(result.img_files), list(result.label_files)
-        self.labels = [x.astype(np.float32).reshape(-1, 5).copy() for x in result.labels]
+        # float64 as written (evaluation and ground_truth.json); augmentation takes float32 copies
+        self.labels = [x.astype(np.float64).reshape(-1, 5).copy() for x in result.labels]
         if single_cls:
             for x in self.labels:
                 x[:, 0] = 0
@@ -145,7 +146,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
                 x1a, y1a, x2a, y2a = xc, yc, min(xc + w, 2 * s), min(2 * s, yc + h)
                 x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
             img4[y1a:y2a, x1a:x2a] = img[y1b:y2b, x1b:x2b]
-            labels = self.labels[i].copy()
+            labels = self.labels[i].astype(np.float32)
             if len(labels):
                 labels[:, 1:] = xywhn2xyxy(labels[:, 1:], w, h, padw=x1a - x1b, padh=y1a - y1b)
             labels4.append(labels)
@@ -205,7 +206,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
         placed = Placement(orig_hw=(h0, w0), gain_hw=(h * ratio[1] / h0, w * ratio[0] / w0),
                            pad_hw=(pad[1], pad[0]))
-        labels = self.labels[index].copy()
+        labels = self.labels[index].astype(np.float32)
         if len(labels):
             labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
         return img, labels, placed

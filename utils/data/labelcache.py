@@ -21,8 +21,8 @@ from utils.core.logging import LOGGER
 from utils.data.labels import ScanResult, img2label_paths, scan_labels
 
 # 2: per-row label checks, full decode, new count keys; 3: every message kept (no per-file cap);
-# 4: image sizes stored as image_hw, (h, w)
-CACHE_VERSION = 4
+# 4: image sizes stored as image_hw, (h, w); 5: labels in float64
+CACHE_VERSION = 5
 
 
 def files_hash(header: str, files: Sequence[str]) -> str:
@@ -63,7 +63,7 @@ def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -
 def save_cache(file: Path, result: ScanResult, hash_: str) -> None:
     """Write arrays + JSON metadata atomically (utils.core.fileio)."""
     lens = [len(x) for x in result.labels]
-    labels = np.concatenate(result.labels).astype(np.float32) if sum(lens) else np.zeros((0, 5), np.float32)
+    labels = np.concatenate(result.labels).astype(np.float64) if sum(lens) else np.zeros((0, 5))
     meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": result.img_files,
             "label_files": result.label_files, "msgs": result.msgs, "counts": result.counts}
     with atomic_write(file) as f:

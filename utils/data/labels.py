@@ -156,7 +156,7 @@ def _read_labels(path: str, nc: int) -> LabelRead:
         else:
             rows.append(row)
             lines.append(k)
-    out = LabelRead(np.zeros((0, 5), np.float32), [], dropped=len(problems), blank=not rows and not problems)
+    out = LabelRead(np.zeros((0, 5)), [], dropped=len(problems), blank=not rows and not problems)
     if rows:
         a = np.array(rows, dtype=np.float64)
         xyxy = xywhn2xyxy(a[:, 1:5], 1.0, 1.0)
@@ -169,8 +169,8 @@ def _read_labels(path: str, nc: int) -> LabelRead:
             problems.append(f"{path}: line {lines[i]}: box lies outside the image; row dropped")
         out.clipped, out.dropped = int((far & ~flat).sum()), out.dropped + int(flat.sum())
         keep = np.flatnonzero(~flat)
-        lb = a[keep, :5].astype(np.float32)
-        _, first = np.unique(lb, axis=0, return_index=True)
+        lb = a[keep, :5]  # float64: ground truth gives the written boxes back (utils/eval/coco.py)
+        _, first = np.unique(lb.astype(np.float32), axis=0, return_index=True)  # duplicates as trained
         if len(first) < len(lb):
             dup = sorted(set(range(len(lb))) - set(first.tolist()))
             out.duplicates = len(dup)
@@ -191,7 +191,7 @@ def _verify_pair(img_file: str, label_file: str,
         return "corrupt", None, None, [f"{img_file}: {e}; image skipped"]
     msgs = [f"{img_file}: {warning}"] if warning else []
     if not os.path.isfile(label_file):
-        return "missing", LabelRead(np.zeros((0, 5), np.float32), []), hw, msgs
+        return "missing", LabelRead(np.zeros((0, 5)), []), hw, msgs
     try:
         read = _read_labels(label_file, nc)
     except ValueError as e:

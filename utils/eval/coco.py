@@ -7,9 +7,13 @@ ground truth written here, and gets val.py's mAP: both files use the same ids.
   label scan keeps); ``file_name`` holds the image path, ``width``/``height`` its original size.
   val.py evaluates images in this same order, so score ties resolve as COCOeval resolves them.
 - category ids: the YOLO class index (0-based, as YOLOv5's predictions.json on custom data).
+- a dataset written by ``python -m yolotrain.convert`` records its source's ids (``SourceIds``):
+  then both files use the source's image and category ids, so predictions.json scores against
+  the original instances json directly.
 - boxes: ``[x, y, w, h]`` in original-image pixels, GT clipped to the image as val.py does.
-- numbers: the shortest decimal that reads back as the same float32, i.e. the precision the
-  model computed and no noise digits; scores keep their exact order.
+- numbers: detections the shortest decimal that reads back as the same float32, i.e. the
+  precision the model computed and no noise digits (scores keep their exact order); ground
+  truth in float64 rounded to 1e-10 px, so a converted dataset gives its source boxes back.
 
     python -m utils.eval.coco --data data/shapes.yaml --task val --out gt.json
 """
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,12 +33,40 @@ from utils.core.cli import ArgumentParser
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER, setup_logging
-from utils.data.config import load_data_config, prepare_dataset
+from utils.data.config import DataConfig, load_data_config, load_image_ids, prepare_dataset
 from utils.data.dataset import LoadImagesAndLabels
 
 
-def image_ids(im_files: Sequence[str]) -> dict[str, int]:
-    """COCO image id of each image path: 1-based rank in sorted path order (independent of rect sorting)."""
+GT_DECIMALS = 10  # ground truth's pixel rounding: 1e-10 px, far below 1e-6 of any real box, and no float noise
+
+
+@dataclass(frozen=True)
+class SourceIds:
+    """A converted dataset's own COCO ids: ``categories[class index]`` and ``images[real path]``."""
+
+    categories: list[int] | None = None
+    images: dict[str, int] | None = None
+
+    @classmethod
+    def from_data(cls, data: DataConfig, names: Sequence[str]) -> SourceIds:
+        """The ids a data yaml records; categories only when ``names`` are the yaml's own (not --single-cls)."""
+        cats = data.category_ids if data.category_ids and list(names) == list(data.names) else None
+        return cls(cats, load_image_ids(data) if data.image_ids else None)
+
+    def category(self, c: int) -> int:
+        return self.categories[c] if self.categories else c
+
+
+def image_ids(im_files: Sequence[str], source: SourceIds | None = None) -> dict[str, int]:
+    """COCO image id of each image path: the source's when it names every image, else the 1-based rank
+    in sorted path order (independent of rect sorting)."""
+    known = source.images if source is not None and source.images else None
+    if known is not None:
+        real = {f: os.path.realpath(f) for f in im_files}
+        if all(r in known for r in real.values()):
+            return {f: known[r] for f, r in real.items()}
+        missing = next(f for f, r in real.items() if r not in known)
+        LOGGER.warning(f"WARNING: {missing} has no source image id; image ids follow sorted paths instead")
     return {f: i for i, f in enumerate(sorted(im_files), 1)}
 
 
@@ -56,14 +90,16 @@ def _xyxy_to_xywh(xyxy: np.ndarray) -> np.ndarray:
     return np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1)
 
 
-def detections(per_image: Sequence[tuple[int, np.ndarray]]) -> list[dict[str, Any]]:
+def detections(per_image: Sequence[tuple[int, np.ndarray]], source: SourceIds | None = None) -> list[dict[str, Any]]:
     """COCO results from (image_id, det) pairs, det (n, 6) [x1, y1, x2, y2, score, cls] in original
-    pixels; order kept. Numbers are converted in one vectorised pass (COCO val: 1.5M detections)."""
+    pixels; order kept; category ids the source's when given. Numbers are converted in one vectorised
+    pass (COCO val: 1.5M detections)."""
     dets = [np.asarray(d, dtype=np.float32).reshape(-1, 6) for _, d in per_image]
     det = np.concatenate(dets) if dets else np.zeros((0, 6), np.float32)
     image = np.repeat([i for i, _ in per_image], [len(d) for d in dets]).tolist()
     boxes = short_floats(_xyxy_to_xywh(det[:, :4])).tolist()
-    return [{"image_id": i, "category_id": int(c), "bbox": b, "score": s}
+    cat = (source or SourceIds()).category
+    return [{"image_id": i, "category_id": cat(int(c)), "bbox": b, "score": s}
             for i, b, s, c in zip(image, boxes, short_floats(det[:, 4]).tolist(), det[:, 5].tolist())]
 
 
@@ -79,15 +115,16 @@ def gt_xyxy(labels: np.ndarray, w: int, h: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], image_hw: np.ndarray,
-                 names: Sequence[str], description: str = "") -> dict[str, Any]:
+                 names: Sequence[str], description: str = "", source: SourceIds | None = None) -> dict[str, Any]:
     """COCO ground truth for a scanned split: labels are YOLO rows (cls, xc, yc, w, h) normalised,
     ``image_hw`` (n, 2) each image's original size (h, w).
 
     Images are listed by id (sorted paths), including those without labels: their detections are
     false positives in COCOeval as in val.py. Annotation ids start at 1 (COCOeval treats 0 as
-    "unmatched").
+    "unmatched"). Boxes are float64 (w = x2 - x1 in float32 loses 1e-5 of a small box far from the
+    origin), rounded to GT_DECIMALS.
     """
-    ids = image_ids(im_files)
+    ids, cat = image_ids(im_files, source), (source or SourceIds()).category
     order = sorted(range(len(im_files)), key=lambda i: ids[im_files[i]])
     images, boxes, classes, owners = [], [], [], []
     for i in order:
@@ -95,21 +132,23 @@ def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], image_hw
         images.append({"id": ids[im_files[i]], "file_name": str(im_files[i]), "width": w, "height": h})
         xyxy, cls = gt_xyxy(labels[i], w, h)
         boxes.append(xyxy)
-        classes += cls.tolist()
+        classes += [cat(c) for c in cls.tolist()]
         owners += [ids[im_files[i]]] * len(cls)
-    xywh = _xyxy_to_xywh(np.concatenate(boxes) if boxes else np.zeros((0, 4)))
-    area = short_floats(xywh[:, 2].astype(np.float64) * xywh[:, 3]).tolist()
+    xyxy = np.concatenate(boxes) if boxes else np.zeros((0, 4))
+    xywh = np.concatenate([xyxy[:, :2], xyxy[:, 2:] - xyxy[:, :2]], 1)
+    area = np.round(xywh[:, 2] * xywh[:, 3], GT_DECIMALS).tolist()
     annotations = [{"id": k, "image_id": i, "category_id": c, "bbox": b, "area": a, "iscrowd": 0}
-                   for k, (i, c, b, a) in enumerate(zip(owners, classes, short_floats(xywh).tolist(), area), 1)]
+                   for k, (i, c, b, a) in enumerate(zip(owners, classes, np.round(xywh, GT_DECIMALS).tolist(), area), 1)]
     return {"info": {"description": description}, "images": images, "annotations": annotations,
-            "categories": [{"id": i, "name": str(n)} for i, n in enumerate(names)]}
+            "categories": [{"id": cat(i), "name": str(n)} for i, n in enumerate(names)]}
 
 
-def dataset_ground_truth(dataset: LoadImagesAndLabels, names: Sequence[str]) -> dict[str, Any]:
+def dataset_ground_truth(dataset: LoadImagesAndLabels, names: Sequence[str],
+                         source: SourceIds | None = None) -> dict[str, Any]:
     """ground_truth() of a LoadImagesAndLabels (rect-sorted or not: the ids do not change)."""
     split = dataset.path if isinstance(dataset.path, (list, tuple)) else [dataset.path]
     return ground_truth(dataset.im_files, dataset.labels, dataset.image_hw, names,
-                        description=f"yolotrain ground truth of {', '.join(str(p) for p in split)}")
+                        description=f"yolotrain ground truth of {', '.join(str(p) for p in split)}", source=source)
 
 
 def write_json(obj: Any, path: str | Path) -> None:
@@ -129,7 +168,7 @@ def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: 
     names = ["item"] if single_cls else data.names
     ds = LoadImagesAndLabels(split, nc=len(data.names), single_cls=single_cls, rect=False,
                              cache_dir=Path(cache_dir) if cache_dir else None, prefix=f"{task}: ")
-    gt = dataset_ground_truth(ds, names)
+    gt = dataset_ground_truth(ds, names, SourceIds.from_data(data, names))
     write_json(gt, out)
     return gt
 

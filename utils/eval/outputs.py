@@ -44,12 +44,14 @@ def save_txt(detections: list[tuple[int, np.ndarray]], dataset, save_dir: Path, 
     return folder
 
 
-def save_json(detections: list[tuple[int, np.ndarray]], dataset, names: list[str], save_dir: Path) -> None:
-    """predictions.json (COCO results) and ground_truth.json (COCO GT) with the same ids."""
-    ids = coco.image_ids(dataset.im_files)
-    preds = coco.detections([(ids[dataset.im_files[index]], det) for index, det in detections])
+def save_json(detections: list[tuple[int, np.ndarray]], dataset, names: list[str], save_dir: Path,
+              source: coco.SourceIds | None = None) -> None:
+    """predictions.json (COCO results) and ground_truth.json (COCO GT) with the same ids: the source's
+    image and category ids for a converted dataset that records them."""
+    ids = coco.image_ids(dataset.im_files, source)
+    preds = coco.detections([(ids[dataset.im_files[index]], det) for index, det in detections], source)
     coco.write_json(preds, Path(save_dir) / "predictions.json")
-    coco.write_json(coco.dataset_ground_truth(dataset, names), Path(save_dir) / "ground_truth.json")
+    coco.write_json(coco.dataset_ground_truth(dataset, names, source), Path(save_dir) / "ground_truth.json")
     LOGGER.info(f"{len(preds)} COCO detections saved to {Path(save_dir) / 'predictions.json'}, "
                 f"ground truth to {Path(save_dir) / 'ground_truth.json'}")
 
