@@ -7,6 +7,7 @@ goes out. ``close`` waits a bounded time and returns what was not delivered, for
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -75,12 +76,15 @@ class Sender:
             LOGGER.warning(f"{self.label} did not answer ({type(e).__name__}: {text}); training goes on, and its "
                            "records are kept and sent when it answers")
 
-    def close(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Deliver what is queued within ``timeout_s``; returns the records left (oldest first) and stops."""
+    def close(self, timeout_s: float, down_s: float = 5.0) -> list[dict[str, Any]]:
+        """Deliver what is queued within ``timeout_s`` (``down_s`` while the server does not answer: it is not
+        coming back in time); returns the records left, oldest first, and stops the thread."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        start = time.monotonic()
+        while self._thread.is_alive() and time.monotonic() - start < (down_s if self.failing else timeout_s):
+            self._thread.join(0.1)
         with self._cond:
             self._stopped = True
             left = list(self._queue)
