@@ -31,12 +31,13 @@ from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
 from utils.engine.autobatch import BATCH_SIZE
 from utils.engine.config import RunConfig, resolve_config, resolve_resume
-from utils.engine.hooks import build_hooks
+from utils.engine.hooks import Hooks, build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
-from utils.engine.setup import build_training
+from utils.engine.setup import Training, build_training
 from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
 from utils.engine.summary import log_end_summary, log_start_summary
+from utils.engine.track import check_packages
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,7 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_flags(p)
     add_local_rank_flag(p)
     add_stop_and_resume_flags(p)
+    add_tracking_flags(p)
     return p
+
+
+def add_tracking_flags(p: argparse.ArgumentParser) -> None:
+    """Experiment trackers, opt-in per run, rank 0 only; a tracker that fails only warns (docs/tracking.md)."""
+    p.add_argument("--tensorboard", action="store_true",
+                   help="TensorBoard event files in the run folder's tensorboard/ (pip install -r requirements-track.txt)")
+    p.add_argument("--mlflow", nargs="?", const=True, default=None, metavar="URI",
+                   help="log to MLflow: the URI given, else $MLFLOW_TRACKING_URI, else sqlite <project>/mlflow.db "
+                        "(pip install -r requirements-track.txt)")
 
 
 def add_stop_and_resume_flags(p: argparse.ArgumentParser) -> None:
@@ -120,6 +131,7 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
         setup_logging(info.rank, info.world_size)
         dist.set_cpu_threads(info, opt.threads)
         resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
+        check_packages(resume.args)  # --tensorboard, --mlflow: their packages, before anything starts
         device = dist.select_device(resume.args.device, resume.args.batch_size, info)
         dist.set_determinism(resume.args.deterministic, fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
         if device.type == "cpu":
@@ -141,7 +153,15 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
     started = time.time()
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
         t = build_training(cfg, info, device, saved, started)  # data, model, loaders, anchors, optimizer, state, DDP
-        hooks = build_hooks(t, callbacks)  # checkpoints, pictures, the epoch's end, events, --save-interval's clock
+        hooks = build_hooks(t, callbacks)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
+    with hooks:  # the trackers close on every end: finished, preempted, failed
+        return fit(t, hooks, stop, watch, started)
+
+
+def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: float) -> TrainResult:
+    """The epochs, then the stop reason acted on: the end summary, or Preempted / UserError for the entry point."""
+    info = t.info
+    with watch.phase("setup"):
         hooks.plots.labels(t.train_loader.dataset)
     if info.is_main:
         log_start_summary(t)
@@ -153,7 +173,7 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
         raise UserError(end.message)
     if end.reason is StopReason.PREEMPTED:
         raise Preempted(end.message)
-    hooks.checkpointer.finish(strip=not cfg.keep_optimizer)
+    hooks.checkpointer.finish(strip=not t.cfg.keep_optimizer)
     result = train_result(t, end)
     if info.is_main:
         hooks.plots.results()

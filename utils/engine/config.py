@@ -38,7 +38,7 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 # operations (inductor fuses kernels), so a resume that switches it is exact in maths, not in bits.
 RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
                    "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
-                   "compile"}
+                   "compile", "tensorboard", "mlflow"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
 
 

@@ -3,7 +3,7 @@ checkpoint write, the pictures, and what happens at the end of an epoch."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
 from utils.engine.events import RunEvents
 from utils.engine.state import make_checkpoint
+from utils.engine.track import Tracker, attach_trackers, close_trackers
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
 from utils.eval.plots import plot_images, plot_labels, plot_results
@@ -114,15 +115,25 @@ class Hooks:
     plots: RunPlots
     end_epoch: EpochEnd
     events: RunEvents
+    trackers: list[Tracker] = field(default_factory=list)
+
+    def __enter__(self) -> Hooks:
+        return self
+
+    def __exit__(self, kind, exc: BaseException | None, tb) -> None:
+        """Close the trackers on every end: finished, preempted (KILLED, resumable), failed."""
+        close_trackers(self.trackers, exc)
 
 
 def build_hooks(t, callbacks: Callbacks | None = None) -> Hooks:
-    """``callbacks``: the listeners to the run's events (the Python API's, the trackers')."""
-    events = RunEvents(t, callbacks)
+    """``callbacks``: the caller's listeners to the run's events (the Python API's); the trackers listen first."""
+    listeners = Callbacks()
+    trackers = attach_trackers(t, listeners)  # --tensorboard, --mlflow (rank 0)
+    events = RunEvents(t, listeners.merged(callbacks))
     checkpointer = Checkpointer(t.weights_dir, t.info, t.cfg.save_period, events)
     plots = RunPlots(t.save_dir, t.names, enabled=t.info.is_main and not t.cfg.noplots)
     return Hooks(clock=SaveClock(t.cfg.save_interval), checkpointer=checkpointer, plots=plots,
-                 end_epoch=EpochEnd(t, checkpointer, events), events=events)
+                 end_epoch=EpochEnd(t, checkpointer, events), events=events, trackers=trackers)
 
 
 class EpochEnd:

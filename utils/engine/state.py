@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ class RunState:
     best_fitness: float = 0.0
     metrics: DetectionMetrics | None = None  # the last validation's
     resumed: bool = False
+    tracking: dict[str, str] = field(default_factory=dict)  # experiment trackers' ids (MLflow's run), rank 0's
 
     @property
     def device(self) -> torch.device:
@@ -170,6 +171,8 @@ class RunState:
                **self.sampler.state_dict(), "metrics": self.metrics.as_dict() if self.metrics else {}}
         if self.recovery.enabled:  # the rollback copy and the recoveries used
             out["nan_recovery"] = self.recovery.state_dict()
+        if self.tracking:  # a resumed run continues the same tracker run (utils/engine/track)
+            out["tracking"] = dict(self.tracking)
         if mid:
             out.update(batches_done=self.batch, mloss=self.mloss.tolist(), **self.lr.state_dict())
         return out
@@ -191,6 +194,7 @@ class RunState:
         self.recovery.load_state_dict(ckpt.get("nan_recovery"))
         if restore_mosaic and "mosaic_off_from_epoch" in ckpt:
             self.sampler.load_state_dict(ckpt)
+        self.tracking = {str(k): str(v) for k, v in (ckpt.get("tracking") or {}).items()}
         self.resumed = True
 
 
