@@ -191,3 +191,10 @@ def test_inside_torchrun_the_api_trains_on_that_group(tiny_data, tmp_path):
     best = tmp_path / "torchrun" / "weights" / "best.pt"
     assert [(tmp_path / f"result{r}").read_text() for r in (0, 1)] == [str(best)] * 2
     assert (tmp_path / "callback0").read_text() == str(best) and not (tmp_path / "callback1").exists()
+
+
+def test_every_event_and_method_is_documented():
+    text = (ROOT / "docs" / "python.md").read_text()
+    assert [e for e in EVENTS if f"`{e}`" not in text] == []
+    public = [m for m in vars(YOLO) if not m.startswith("_")]
+    assert [m for m in public if f"`{m}" not in text] == []
