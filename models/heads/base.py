@@ -28,6 +28,10 @@ class Criterion(Protocol):
 
     loss_names: tuple[str, ...]
 
+    def set_progress(self, epoch: int, epochs: int) -> None:
+        """Called at every epoch's start (0-based ``epoch`` of ``epochs``): a loss whose weights follow the schedule
+        (YOLO26's ProgLoss) sets them here, as a pure function of the two, so a resumed run repeats them."""
+
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -89,6 +89,9 @@ class DFLLoss:
         self.head, self.gains = head, gains
         self.assigner = assigner if assigner is not None else TaskAlignedAssigner()
 
+    def set_progress(self, epoch: int, epochs: int) -> None:
+        """The same loss at every epoch."""
+
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = preds[0].device
         with torch.autocast(device.type, enabled=False):

@@ -77,6 +77,7 @@ def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) ->
         t.train_loader.sampler.set_epoch(state.epoch, skip=first * t.batch)
         if state.epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {state.epochs - state.epoch} epochs train without it")
+        t.criterion.set_progress(state.epoch, state.epochs)  # a loss that follows the schedule (YOLO26's ProgLoss)
         hooks.events.emit("on_train_epoch_start", lr=t.lr.values())
         ended = train_one_epoch(t, loop, hooks, stop, watch)
         if ended.stop is not None:
