@@ -7,6 +7,7 @@ case helpers come from the references of tests/test_tal.py and tests/test_dfl_lo
 from __future__ import annotations
 
 import ast
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -346,6 +347,33 @@ def test_loss_is_batched_code_only():
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor, ast.comprehension))]
     levels = {"preds", "one2many", "one2one", "strides.detach().cpu().tolist()"}
     assert loops and all(isinstance(n, ast.comprehension) and ast.unparse(n.iter) in levels for n in loops)
+
+
+def test_loss_drops_when_fitting_one_batch():
+    """Two 1x1-conv branches per level on fixed features (reg_max 1, box bias 2 cells as Ultralytics starts):
+    plain SGD with momentum drives the one-to-one items down under a mid-run ProgLoss weighting."""
+    torch.manual_seed(0)
+    feats = [torch.randn(2, 16, int(HW[0] // s), int(HW[1] // s)) for s in STRIDES]
+    convs = {k: torch.nn.ModuleList(torch.nn.Conv2d(16, 4 + NC, 1) for _ in STRIDES) for k in BRANCHES}
+    for levels in convs.values():
+        for conv, s in zip(levels, STRIDES):
+            torch.nn.init.constant_(conv.bias[:4], 2.0)
+            torch.nn.init.constant_(conv.bias[4:], math.log(5 / NC / (640 / s) ** 2))
+    targets = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [0, 1, 0.7, 0.6, 0.05, 0.04], [1, 2, 0.5, 0.5, 0.6, 0.7]])
+    criterion = E2ELoss(stand_in_head(dtype=torch.float32), GAINS)
+    criterion.set_progress(5, 10)
+    params = [p for levels in convs.values() for p in levels.parameters()]
+    velocity = [torch.zeros_like(p) for p in params]
+    items = []
+    for _ in range(60):
+        preds = {k: [conv(f) for conv, f in zip(levels, feats)] for k, levels in convs.items()}
+        loss, it = criterion(preds, targets)
+        grads = torch.autograd.grad(loss.sum(), params)
+        with torch.no_grad():
+            for p, v, g in zip(params, velocity, grads):
+                p.sub_(0.01 * v.mul_(0.9).add_(g))
+        items.append(it)
+    assert torch.isfinite(torch.stack(items)).all() and (items[-1] < 0.6 * items[0]).all()
 
 
 @pytest.mark.cuda
