@@ -174,12 +174,18 @@ class TaskAlignedAssigner:
     second stride when choosing candidates, so a tiny box between anchor centres still gets
     positives; here that is ``min_side``, off by default (the rule of TOOD and Ultralytics 8.0).
     Ties in the top-k ranking fall to torch.topk; ties in the overlap go to the lower GT slot.
+
+    ``topk2`` (YOLO26's one-to-one branch: topk 7, topk2 1): after the conflicts are settled, each GT
+    keeps only the ``topk2`` of its remaining positives with the highest metric, so the ranking runs
+    over the same, wider candidate pool as a top-``topk`` assignment and the narrowing never takes an
+    anchor that another GT kept. None (or >= topk) leaves the assignment as it was without it.
     """
 
     def __init__(self, topk: int = TAL_TOPK, alpha: float = TAL_ALPHA, beta: float = TAL_BETA,
-                 eps: float = 1e-9, min_side: float = 0.0, chunk: int = CIOU_CHUNK) -> None:
+                 eps: float = 1e-9, min_side: float = 0.0, chunk: int = CIOU_CHUNK, topk2: int | None = None) -> None:
         self.topk, self.alpha, self.beta, self.eps, self.min_side = topk, alpha, beta, eps, min_side
         self.chunk = chunk
+        self.topk2 = topk if topk2 is None else topk2
 
     @torch.no_grad()
     def __call__(
@@ -216,6 +222,10 @@ class TaskAlignedAssigner:
         fg = pos.any(1)  # (B, A)
         gt_index = torch.where(pos, overlap, -1).argmax(1)  # the best-overlapping GT among those claiming it
         pos = (torch.arange(m, device=device)[:, None] == gt_index[:, None]) & fg[:, None]
+        if self.topk2 < self.topk:
+            pos = self.narrow(pos, metric)
+            fg = pos.any(1)
+            gt_index = torch.where(fg, gt_index, 0)  # a dropped anchor is background: first slot, as documented
         metric = metric * pos
         overlap = overlap * pos
         norm = metric * overlap.amax(-1, keepdim=True) / (metric.amax(-1, keepdim=True) + self.eps)
@@ -225,6 +235,15 @@ class TaskAlignedAssigner:
         boxes = gt_boxes.gather(1, gt_index[..., None].expand(bs, na, 4))
         scores = torch.zeros_like(pd_scores).scatter_(-1, labels[..., None], norm[..., None])
         return Assignment(labels, boxes, scores, fg, gt_index)
+
+    def narrow(self, pos: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+        """(B, M, A) positives -> those among each GT's own that rank in its top ``topk2`` by metric.
+
+        Every positive's metric is above 0, so a GT with fewer positives than topk2 keeps them all (the
+        extra top-k picks land on zeros, off its positives, and the mask drops them).
+        """
+        top = (metric * pos).topk(min(self.topk2, pos.shape[-1]), dim=-1).indices
+        return torch.zeros_like(pos).scatter_(-1, top, True) & pos
 
     def overlaps(self, gt_boxes: torch.Tensor, pd_boxes: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         """(B, M, A) CIoU of each GT with each predicted box, clamped at 0, and 0 off the candidates.
