@@ -2,9 +2,10 @@
 
 The steps are val.py's (utils/eval/evaluate.py): the uint8 batch to the device, float / 255 in the
 model's layout, the backend's output, ``postprocess`` per image (NMS of the decoded (B, N, 4 + nc)
-form, or an end-to-end model's own detections filtered by score and class), ``unletterbox`` per image. So at the same thresholds an image gets the boxes val.py gets for it
-(with ``multi_label``, val's setting, and ``val.py --no-rect``'s square input), and no image's
-boxes depend on the other images of its batch.
+form, or an end-to-end model's own detections filtered by score and class), ``unletterbox`` per
+image. So at the same thresholds an image gets the boxes val.py gets for it (with
+``multi_label``, val's setting, and ``val.py --no-rect``'s square input), and no image's boxes
+depend on the other images of its batch.
 """
 from __future__ import annotations
 
