@@ -70,9 +70,7 @@ def toy_model(one_thread) -> Model:
 def _backend(model: Model, source: Path) -> TorchBackend:
     meta = ModelMeta(names=NAMES, stride=int(model.stride.max()), imgsz=IMGSZ, family=family_of(model),
                      source=str(source))
-    backend = TorchBackend(model.fuse(), meta)  # as from_checkpoint: BatchNorm folded
-    backend.configure()
-    return backend.eval()
+    return TorchBackend(model.fuse(), meta).eval()  # as from_checkpoint: BatchNorm folded; end2end from the head
 
 
 def test_postprocess_end2end_keeps_filters_and_limits_without_nms():

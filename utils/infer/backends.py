@@ -149,6 +149,7 @@ class TorchBackend(Backend):
     def __init__(self, model: Model, meta: ModelMeta) -> None:
         super().__init__(meta)
         self.model = model
+        self.configure()  # meta's end2end and max_det are the head's
 
     @classmethod
     def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
@@ -156,9 +157,7 @@ class TorchBackend(Backend):
         meta = ModelMeta(names=card.names, stride=int(model.stride.max()), imgsz=card.imgsz, family=family_of(model),
                          data=card.data, single_cls=card.single_cls, epoch=card.epoch, source=str(weights),
                          val_precision=card.val_precision)
-        backend = cls(model.fuse(), meta)
-        backend.configure()
-        return backend
+        return cls(model.fuse(), meta)
 
     def configure(self, end2end: bool | None = None, max_det: int | None = None) -> None:
         """Set the head's mode (and an end-to-end head's ``max_det``) and keep ``meta`` in step with it, so
