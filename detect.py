@@ -7,7 +7,8 @@
 
 --weights is a yolotrain checkpoint or a file written by export.py (.onnx, .torchscript). Every
 image and frame is letterboxed to a square --imgsz input with val.py's own steps, decoded and
-NMS'd per image, so its boxes never depend on its batch. Under torchrun each rank takes a
+NMS'd per image (an end-to-end model's own detections are kept by score and class instead), so
+its boxes never depend on its batch. Under torchrun each rank takes a
 contiguous shard of the images and whole videos (each output file has one writer), and rank 0
 logs the summary and writes summary.json. Results go to runs/detect/exp, exp2, ...: annotated
 images (same name) and videos (<stem>.mp4, source frame rate), --save-txt labels/<stem>.txt
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agnostic-nms", action="store_true", help="class-agnostic NMS")
     p.add_argument("--multi-label", action="store_true",
                    help="a box may carry several classes (val.py's setting; default one class per box, as YOLOv5)")
+    p.add_argument("--end2end", action=argparse.BooleanOptionalAction, default=None,
+                   help="an end-to-end (NMS-free) model's own detections, or its NMS branch (default: the model's "
+                        "mode; an export runs only the mode it was exported in)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch (per rank)")
     add_device_flags(p)
     add_workers_flag(p, reads="images")
@@ -106,12 +110,13 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
 
 def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:
     """Load the model, predict this rank's share of the sources writing each output once, and report on rank 0."""
-    backend = load_backend(opt.weights, device)
+    backend = load_backend(opt.weights, device, opt.end2end, opt.max_det)
     meta = backend.meta
     imgsz = input_size(opt.imgsz, meta)
     precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
-    LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}){precision}, {meta.nc} classes, input {imgsz}x{imgsz}; "
-                f"{len(sources.images)} images, {len(sources.videos)} videos")
+    mode = f", end-to-end, {meta.max_det} per image" if meta.end2end else ""
+    LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}{mode}){precision}, {meta.nc} classes, "
+                f"input {imgsz}x{imgsz}; {len(sources.images)} images, {len(sources.videos)} videos")
     save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
     predictor = Predictor(backend, device, predict_options(opt, meta, device))
     writer = Writer(save_dir, meta.names, save_options(opt))

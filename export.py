@@ -7,11 +7,12 @@
 
 Files go beside the checkpoint (best.onnx, best.torchscript). The graph is the fused eval-mode
 model ending in the decoded (B, N, 4 + nc) output, float RGB input in [0, 1]; NMS is the
-caller's (detect.py and val.py accept these files). Each file is run on real images (--source,
-else the checkpoint's val split) against the checkpoint; the largest box and score differences
-and whether the detections after NMS agree are reported, and a file beyond tolerance
-(utils/infer/parity.py) is deleted and the command exits 1. ONNX needs the optional packages of
-requirements-export.txt (onnx, onnxruntime; onnxslim for --simplify).
+caller's (detect.py and val.py accept these files). An end-to-end (NMS-free) model's graph ends
+in its final (B, max_det, 6) detections instead (--no-end2end exports its NMS branch). Each file
+is run on real images (--source, else the checkpoint's val split) against the checkpoint; the
+largest box and score differences and whether the detections agree are reported, and a file
+beyond tolerance (utils/infer/parity.py) is deleted and the command exits 1. ONNX needs the
+optional packages of requirements-export.txt (onnx, onnxruntime; onnxslim for --simplify).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--half", action="store_true", help="FP16 weights and input (needs a CUDA --device)")
     p.add_argument("--opset", type=Range(int, min=11, max=23), default=17, help="ONNX opset version")
     p.add_argument("--simplify", action="store_true", help="simplify the ONNX graph with onnxslim (or onnxsim)")
+    p.add_argument("--end2end", action=argparse.BooleanOptionalAction, default=None,
+                   help="end-to-end (NMS-free) graph with final detections, or not (default: the model's own mode)")
+    p.add_argument("--max-det", type=Range(int, min=1), default=None,
+                   help="detections per image of an end-to-end graph (default: its head's, 300)")
     p.add_argument("--source", nargs="+", default=None,
                    help="images for the parity check (default: the checkpoint's val split)")
     add_device_flags(p, default="cpu", distributed=False)
@@ -70,6 +75,10 @@ def main(opt: argparse.Namespace) -> list[ExportResult]:
     if opt.half and device.type != "cuda":
         raise UserError("--half exports FP16 for CUDA and needs a CUDA --device (e.g. --device 0)")
     reference = TorchBackend.from_checkpoint(opt.weights, device)
+    reference.configure(opt.end2end, opt.max_det)
+    if opt.max_det is not None and not reference.end2end:
+        raise UserError(f"{opt.weights}: --max-det sets an end-to-end graph's detections per image; this model's "
+                        "graph ends before NMS (pass --max-det to detect.py or val.py instead)")
     imgsz = round_to_stride(opt.imgsz or reference.meta.imgsz, reference.meta.stride)
     options = ExportOptions(imgsz=imgsz, batch=opt.batch_size, dynamic=opt.dynamic, half=opt.half, opset=opt.opset,
                             simplify=opt.simplify)

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf-thres", type=Range(float, min=0, max=1), default=0.001, help="confidence threshold")
     p.add_argument("--iou-thres", type=Range(float, min=0, max=1), default=0.6, help="NMS IoU threshold")
     p.add_argument("--max-det", type=Range(int, min=1), default=300, help="maximum detections per image")
+    p.add_argument("--end2end", action=argparse.BooleanOptionalAction, default=None,
+                   help="score an end-to-end (NMS-free) model's own detections, or its NMS branch (default: the "
+                        "model's mode; an export runs only the mode it was exported in)")
     p.add_argument("--rect", action=argparse.BooleanOptionalAction, default=None,
                    help="rectangular batches (default: on, except for fixed-shape exports, which take square inputs)")
     p.add_argument("--task", default="val", choices=("val", "test", "speed"),
@@ -129,7 +132,8 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
                         loaders: dict[tuple, DataLoader] | None = None) -> EvalResult:
     """Score one checkpoint or exported file: its model, the split it names (or --data), one evaluation,
     the files asked for."""
-    model = load_backend(weights, device)  # a checkpoint's model is fused here, in place: val.py's own copy
+    # a checkpoint's model is fused here, in place (val.py's own copy), its head set to --end2end / --max-det
+    model = load_backend(weights, device, opt.end2end, opt.max_det)
     meta = model.meta
     data, names, single_cls = load_split_config(opt, {"data": meta.data, "single_cls": meta.single_cls}, info)
     if meta.nc != len(names):
@@ -140,6 +144,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     loader = get_loader(opt, data, single_cls, imgsz, max(meta.stride, 32), info, run_dir,
                         {} if loaders is None else loaders, rect)
     kind = "" if meta.format == "pytorch" else f", {meta.format} export" + ("" if rect else " (square inputs)")
+    kind += f", end-to-end (no NMS, {meta.max_det} per image)" if meta.end2end else ""
     LOGGER.info(f"{weights}: epoch {meta.epoch + 1}, {len(names)} classes, imgsz {imgsz}{kind}")
     save_dir = make_save_dir(opt, info, run_dir)
     if meta.val_precision != "fp32" and not opt.half:
@@ -155,7 +160,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
                 f"shape ({opt.batch_size}, 3, {imgsz}, {imgsz})")
     LOGGER.info(f"Results: mAP50 {result.metrics.map50:.4f}  mAP50-95 {result.metrics.map:.4f}")
     if save_dir is not None and info.is_main:  # after the evaluation's broadcast: a write error stalls no rank
-        save_outputs(opt, result, loader.dataset, names, save_dir, weights, data, imgsz)
+        save_outputs(opt, result, loader.dataset, names, save_dir, weights, data, imgsz, meta.end2end)
     return result
 
 
@@ -220,8 +225,9 @@ def make_save_dir(opt: argparse.Namespace, info: dist.DistInfo, save_dir: Path |
 
 
 def save_outputs(opt: argparse.Namespace, result: EvalResult, dataset, names: list[str], save_dir: Path,
-                 weights: str, data: DataConfig, imgsz: int) -> None:
-    """Rank 0: the labels, COCO json, pictures and metrics.json this run was asked for."""
+                 weights: str, data: DataConfig, imgsz: int, end2end: bool = False) -> None:
+    """Rank 0: the labels, COCO json, pictures and metrics.json this run was asked for (``end2end``: the
+    detections are the model's own, not NMS's; recorded beside the thresholds)."""
     if opt.save_txt:
         save_txt(result.detections, dataset, save_dir, opt.save_conf)
     if opt.save_json:
@@ -230,8 +236,9 @@ def save_outputs(opt: argparse.Namespace, result: EvalResult, dataset, names: li
         save_eval_plots(result, names, save_dir)
     coco.write_json({"weights": str(weights), "data": str(data.file), "task": task_split(opt), "imgsz": imgsz,
                      "batch_size": opt.batch_size, "conf_thres": opt.conf_thres, "iou_thres": opt.iou_thres,
-                     "max_det": opt.max_det, "images": result.images, "speed_ms": list(result.speed_ms),
-                     "metrics": result.metrics.as_dict(), "confusion_matrix": result.confusion.tolist()},
+                     "max_det": opt.max_det, "end2end": end2end, "images": result.images,
+                     "speed_ms": list(result.speed_ms), "metrics": result.metrics.as_dict(),
+                     "confusion_matrix": result.confusion.tolist()},
                     save_dir / "metrics.json")
     LOGGER.info(f"Results saved to {colorstr(str(save_dir))}")
 

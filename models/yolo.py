@@ -73,6 +73,12 @@ class Model(nn.Module):
         """Strides of the detection levels, e.g. tensor([8., 16., 32.])."""
         return self.detect.stride
 
+    @property
+    def end2end(self) -> bool:
+        """Whether the eval output is the head's final detections (no NMS): what post-processing reads
+        (utils.core.boxes.postprocess), so callers never ask which family the model is."""
+        return bool(self.detect.end2end)
+
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         y: list[torch.Tensor | None] = []
         for m in self.model:

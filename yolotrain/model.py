@@ -124,7 +124,7 @@ class YOLO:
 
     def _predict(self, opt, sources) -> Iterator[Results]:
         device = dist.select_device(opt.device)
-        backend = load_backend(opt.weights, device)
+        backend = load_backend(opt.weights, device, opt.end2end, opt.max_det)
         meta = backend.meta
         imgsz = detect_cli.input_size(opt.imgsz, meta)
         predictor = Predictor(backend, device, detect_cli.predict_options(opt, meta, device))

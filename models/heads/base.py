@@ -3,7 +3,12 @@
 A head is the model's last layer. It owns its maths:
 - ``forward``: raw per-level outputs while training; in eval mode ``(decoded, raw)`` where
   ``decoded`` is (B, N, 4 + nc): box centre x, y, width, height in input pixels, then one score
-  per class in [0, 1]. NMS, validation, plots and export consume only this form.
+  per class in [0, 1], which NMS turns into detections.
+- ``end2end``: False for heads whose output needs NMS (anchor, DFL). An end-to-end (NMS-free) head
+  has ``max_det`` (its top-k, settable) and, with ``end2end`` True, returns ``(dets, raw)`` in eval
+  mode instead: dets (B, max_det, 6) = x1, y1, x2, y2 in input pixels, score, class index (float),
+  sorted by score, with no NMS. ``utils.core.boxes.postprocess`` turns either form into the same
+  per-image detections, so validation, plots, detect.py and export read only ``end2end``.
 - ``build_criterion(hyp, imgsz)``: the loss that trains it (target assignment included).
 - ``has_anchors``: whether autoanchor applies.
 - ``set_strides(strides)`` and ``initialize_biases()``: called once by ``Model`` after the
@@ -57,12 +62,25 @@ class Head(nn.Module):
     """Base class of detection heads; see the module docstring for the contract."""
 
     has_anchors: ClassVar[bool] = False
+    end2end: bool = False  # eval output is final detections (B, max_det, 6), no NMS; see the module docstring
     nc: int
     nl: int
     stride: torch.Tensor
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> Criterion:
         raise NotImplementedError
+
+    @property
+    def supports_end2end(self) -> bool:
+        """Whether the head can run end-to-end: such a head has ``max_det``, the top-k of its dets."""
+        return hasattr(self, "max_det")
+
+    def set_end2end(self, on: bool) -> None:
+        """Switch between final detections (True) and the decoded form NMS reads (False); a head without an
+        end-to-end branch can only be False, so asking it for True is refused rather than silently ignored."""
+        if on and not self.supports_end2end:
+            raise ValueError(f"{type(self).__name__} has no end-to-end (NMS-free) output")
+        self.end2end = bool(on)
 
     def set_strides(self, strides: torch.Tensor) -> None:
         self.stride.copy_(strides)

@@ -1,4 +1,5 @@
-"""Box formats, IoU and NMS. IoU and NMS come from torchvision.ops (one well-kept implementation)."""
+"""Box formats, IoU, NMS and the one post-processing step every caller uses. IoU and NMS come from
+torchvision.ops (one well-kept implementation)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -105,3 +106,35 @@ def _nms_image(x: torch.Tensor, conf_thres: float, iou_thres: float, classes: li
     keep = torchvision.ops.batched_nms(x[:, :4], x[:, 4], group, iou_thres)[:max_det]
     return x[keep]
 
+
+
+def postprocess(out: torch.Tensor, end2end: bool, conf_thres: float = 0.25, iou_thres: float = 0.45,
+                max_det: int = 300, classes: list[int] | None = None, agnostic: bool = False,
+                multi_label: bool = False) -> list[torch.Tensor]:
+    """A head's eval output -> per image (n, 6) [x1, y1, x2, y2, conf, cls] in input pixels.
+
+    One step for validation, detect.py and the export check, so none of them branches on the model
+    family: the head's ``end2end`` (an export's metadata) says which form ``out`` is. Decoded output
+    (B, N, 4 + nc) goes through ``non_max_suppression``. An end-to-end head's dets (B, K, 6) are
+    already final: rows scoring above ``conf_thres``, of ``classes`` when given, at most ``max_det``,
+    with no NMS (``iou_thres``, ``agnostic`` and ``multi_label`` are NMS settings and do not apply;
+    two overlapping boxes both stay, as the head chose them).
+    """
+    if not end2end:
+        return non_max_suppression(out, conf_thres, iou_thres, classes, agnostic, multi_label, max_det)
+    if not 0 <= conf_thres <= 1:
+        raise ValueError(f"conf_thres {conf_thres} must lie in [0, 1]")
+    if out.ndim != 3 or out.shape[2] != 6:
+        raise ValueError(f"end-to-end output must be (B, max_det, 6) detections, got {tuple(out.shape)}")
+    return [_select_end2end(d, conf_thres, classes, max_det) for d in out]
+
+
+def _select_end2end(d: torch.Tensor, conf_thres: float, classes: list[int] | None, max_det: int) -> torch.Tensor:
+    """One image's end-to-end rows kept by score and class, best first (a stable sort: the head's order
+    holds for equal scores, and an export whose rows are not sorted still gives the top ones)."""
+    keep = d[:, 4] > conf_thres
+    if classes is not None:
+        keep &= (d[:, 5:6] == torch.tensor(classes, device=d.device, dtype=d.dtype)).any(1)
+    d = d[keep]
+    order = torch.sort(d[:, 4], descending=True, stable=True).indices[:max_det]
+    return d[order]

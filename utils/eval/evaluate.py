@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from utils.core import dist, watchdog
-from utils.core.boxes import non_max_suppression
+from utils.core.boxes import postprocess
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.data.geometry import unletterbox
@@ -58,7 +58,7 @@ class EvalResult:
 
     metrics: DetectionMetrics
     loss: list[float] = field(default_factory=list)  # mean criterion items (criterion.loss_names), when computed
-    speed_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # pre-process, inference, NMS per image
+    speed_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # pre-process, inference, NMS (post-process) per image
     images: int = 0
     confusion: np.ndarray | None = None  # (nc + 1, nc + 1) int64 matrix[pred, true] at conf 0.25 / IoU 0.45
     detections: list[tuple[int, np.ndarray]] | None = None  # rank 0: (dataset index, (n, 6) original pixels)
@@ -106,7 +106,9 @@ def evaluate_model(model: torch.nn.Module, loader, device: torch.device, names: 
 
 
 def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, criterion) -> tuple[_Shard, list]:
-    """Inference, NMS and per-image matching over this rank's batches."""
+    """Inference, post-processing (NMS, or an end-to-end head's own selection) and per-image matching over
+    this rank's batches. ``net.end2end`` (a Model's head, a backend's metadata) picks the post-processing."""
+    end2end = bool(getattr(net, "end2end", False))
     half = opts.half and device.type == "cuda"
     memory_format = torch.channels_last if opts.channels_last else torch.contiguous_format
     dataset = loader.dataset
@@ -128,8 +130,8 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
             loss += criterion([x.float() for x in train_out], batch.targets)[1]  # host targets, as in training
         synchronize(device)
         t2 = time.perf_counter()
-        dets = non_max_suppression(preds.float(), opts.conf_thres, opts.iou_thres, multi_label=True,
-                                   max_det=opts.max_det)
+        dets = postprocess(preds.float(), end2end, opts.conf_thres, opts.iou_thres, max_det=opts.max_det,
+                           multi_label=True)
         synchronize(device)
         t3 = time.perf_counter()
         host_dets = detections_to_host(dets)

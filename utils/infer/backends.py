@@ -2,10 +2,12 @@
 
 A ``Backend`` is called like a ``Model`` in eval mode: images (B, 3, H, W), float in [0, 1] (or
 uint8 0-255), -> ``(decoded, raw)``, where ``decoded`` is the head's (B, N, 4 + nc) form (box
-centre and size in input pixels, one score per class; models/heads/base.py) and ``raw`` the
-per-level outputs, which only a checkpoint has (exported graphs end at the decoding). So
-``evaluate_model`` (val.py) and detect.py's ``Predictor`` run every backend through the same
-NMS and unletterboxing code. ``backend.meta`` says what the network needs and what it predicts.
+centre and size in input pixels, one score per class; models/heads/base.py), or for an
+end-to-end model (``backend.end2end``, from the head or the export's metadata) its final
+detections (B, max_det, 6), and ``raw`` the per-level outputs, which only a checkpoint has
+(exported graphs end at the decoding). So ``evaluate_model`` (val.py) and detect.py's
+``Predictor`` run every backend through the same post-processing (``utils.core.boxes.postprocess``)
+and unletterboxing code. ``backend.meta`` says what the network needs and what it predicts.
 
 Input shapes: a checkpoint and a ``--dynamic`` export take any batch and any stride-multiple
 size. A fixed-shape export takes exactly ``meta.batch`` x 3 x ``meta.imgsz`` x ``meta.imgsz``:
@@ -18,7 +20,7 @@ import importlib
 import json
 import subprocess
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +50,8 @@ class ModelMeta:
     stride: int  # the largest stride: input sides must be multiples of it
     imgsz: int  # training size (checkpoint) or the exported input side
     family: str  # "anchor" (YOLOv5 head) or "anchor-free" (DFL head)
+    end2end: bool = False  # outputs final (B, max_det, 6) detections, no NMS; files written without the key: False
+    max_det: int | None = None  # an end-to-end model's detections per image (its head's top-k)
     format: str = "pytorch"  # "pytorch", "onnx" or "torchscript"
     dynamic: bool = True  # any batch and size; False: exactly batch x 3 x imgsz x imgsz
     batch: int | None = None  # the fixed batch of a fixed-shape export
@@ -124,6 +128,17 @@ class Backend(nn.Module):
         super().__init__()
         self.meta = meta
 
+    @property
+    def end2end(self) -> bool:
+        """Whether the output is final detections (post-processing selects, no NMS): what evaluate_model and
+        Predictor read, as they read a Model's."""
+        return self.meta.end2end
+
+    def configure(self, end2end: bool | None = None, max_det: int | None = None) -> None:
+        """Apply --end2end/--no-end2end (None: the model's own mode) and, for an end-to-end checkpoint, the
+        head's top-k ``max_det``; an exported graph has one fixed mode (see ExportedBackend)."""
+        raise NotImplementedError
+
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         raise NotImplementedError
 
@@ -134,6 +149,7 @@ class TorchBackend(Backend):
     def __init__(self, model: Model, meta: ModelMeta) -> None:
         super().__init__(meta)
         self.model = model
+        self.configure()  # meta's end2end and max_det are the head's
 
     @classmethod
     def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
@@ -142,6 +158,21 @@ class TorchBackend(Backend):
                          data=card.data, single_cls=card.single_cls, epoch=card.epoch, source=str(weights),
                          val_precision=card.val_precision)
         return cls(model.fuse(), meta)
+
+    def configure(self, end2end: bool | None = None, max_det: int | None = None) -> None:
+        """Set the head's mode (and an end-to-end head's ``max_det``) and keep ``meta`` in step with it, so
+        what an export records is what its graph does. UserError naming the file for a head with no
+        end-to-end output asked for one."""
+        head = self.model.detect
+        if end2end is not None:
+            if end2end and not head.supports_end2end:
+                raise UserError(f"{self.meta.source}: --end2end: its {type(head).__name__} head has no end-to-end "
+                                "(NMS-free) output; drop the flag (its detections go through NMS)")
+            head.set_end2end(end2end)
+        if head.end2end and max_det is not None:
+            head.max_det = int(max_det)
+        self.meta = replace(self.meta, end2end=bool(head.end2end),
+                            max_det=int(head.max_det) if head.end2end else None)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if images.dtype == torch.uint8:  # to the weights' precision, as evaluate_model and Predictor do
@@ -159,6 +190,17 @@ class ExportedBackend(Backend):
 
     def _apply(self, fn, recurse: bool = True) -> ExportedBackend:
         return self
+
+    def configure(self, end2end: bool | None = None, max_det: int | None = None) -> None:
+        """A graph ends where it was exported: a flag asking for the other mode is a UserError naming the file
+        (re-export instead). ``max_det`` is left to post-processing, which caps the graph's rows."""
+        m = self.meta
+        if end2end is not None and end2end != m.end2end:
+            mode = f"end-to-end (NMS-free, {m.max_det} detections per image)" if m.end2end else \
+                "with decoded outputs for NMS"
+            raise UserError(f"{self.path}: --{'' if end2end else 'no-'}end2end: this file was exported {mode} and "
+                            "runs only that way; drop the flag, or export the checkpoint again with "
+                            f"python export.py --{'' if end2end else 'no-'}end2end")
 
     def run(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -263,11 +305,13 @@ class TorchScriptBackend(ExportedBackend):
         return self.module(images)
 
 
-def load_backend(weights: str | Path, device: torch.device) -> Backend:
-    """The backend for a file: ``.onnx``, ``.torchscript``, else a yolotrain checkpoint. In eval mode.
+def load_backend(weights: str | Path, device: torch.device, end2end: bool | None = None,
+                 max_det: int | None = None) -> Backend:
+    """The backend for a file: ``.onnx``, ``.torchscript``, else a yolotrain checkpoint. In eval mode,
+    configured by ``Backend.configure(end2end, max_det)`` (the --end2end/--no-end2end and --max-det flags).
 
-    UserError (one line) for a missing file, a file that is not a yolotrain checkpoint, and an
-    exported file without its metadata.
+    UserError (one line) for a missing file, a file that is not a yolotrain checkpoint, an
+    exported file without its metadata, and an end2end mode the file cannot run.
     """
     path = Path(weights)
     if not path.is_file():
@@ -279,4 +323,5 @@ def load_backend(weights: str | Path, device: torch.device) -> Backend:
         backend = TorchScriptBackend(path, device)
     else:
         backend = TorchBackend.from_checkpoint(path, device)
+    backend.configure(end2end, max_det)
     return backend.eval()

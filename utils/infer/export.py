@@ -3,9 +3,12 @@
 The exported graph is the checkpoint's model (EMA weights) in eval mode with BatchNorm folded,
 returning only the decoded (B, N, 4 + nc) tensor: boxes as centre/size in input pixels and one
 score per class, NMS left to the caller (the usual convention; detect.py and val.py run the
-project's NMS on it). Its input is float RGB in [0, 1], (B, 3, H, W). The file carries
-``ModelMeta`` (class names, stride, image size, family, fixed or dynamic shape, the yolotrain
-commit) as ONNX metadata_props / a TorchScript extra file, which detect.py and val.py read back.
+project's NMS on it). An end-to-end model's graph (its head's ``end2end``, as export.py's
+--end2end/--no-end2end left it) returns its final detections (B, max_det, 6) instead: x1, y1,
+x2, y2, score, class, no NMS, ``max_det`` being the head's (export.py --max-det). Its input is
+float RGB in [0, 1], (B, 3, H, W). The file carries ``ModelMeta`` (class names, stride, image
+size, family, end2end and max_det, fixed or dynamic shape, the yolotrain commit) as ONNX
+metadata_props / a TorchScript extra file, which detect.py and val.py read back.
 
 Every export is written under a temporary name beside its final one, read back through the same
 backend detect.py uses, and compared with the checkpoint on real images (utils/infer/parity.py):
@@ -60,7 +63,8 @@ class ExportResult:
 
 
 class DecodedOnly(nn.Module):
-    """The graph that is exported: the eval-mode model's decoded output, without the raw levels."""
+    """The graph that is exported: the eval-mode model's first output (decoded boxes and scores, or an
+    end-to-end head's final detections), without the raw levels."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -186,7 +190,9 @@ def write_onnx(graph: nn.Module, example: torch.Tensor, path: Path, meta: ModelM
     """torch.onnx's TorchScript-based exporter (needs no onnxscript), then metadata and optional simplification."""
     onnx = require("onnx", "exporting to ONNX")
     require("onnxruntime", "checking the ONNX export")
-    dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 1: "anchors"}}
+    # an end-to-end graph's rows are its max_det at any size; a decoded one has a row per anchor point
+    rows = {} if meta.end2end else {1: "anchors"}
+    dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", **rows}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # see QUIET
         torch.onnx.export(graph, (example,), str(path), dynamo=False, opset_version=opts.opset,

@@ -18,6 +18,14 @@ NMS turns near-ties into either-or choices: a box scoring within rounding of the
 threshold or of the max_det cut, two overlapping boxes of one class scoring the same within
 rounding, or an overlap within rounding of the IoU threshold. Such a box kept by one runtime only
 is counted as a near-tie, not as a difference; any other unpaired box is a difference.
+
+An end-to-end model (no NMS) outputs its top ``max_det`` detections (B, K, 6), sorted by score.
+Rows are paired, not compared by position: two rows scoring the same within rounding may swap
+places. Each row scoring clearly above the K-th score (by more than twice the score tolerance:
+it is in both runtimes' top K whatever the rounding) must have a twin in the other output, of
+the same class, and the largest box and score differences are taken over these pairs. Rows near
+the cut may be replaced by a near-tied rival, as NMS's near-ties. The detections above
+detect.py's confidence threshold are counted as the report's detections.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ import torch
 
 from torchvision.ops import box_iou
 
-from utils.core.boxes import non_max_suppression, xywh2xyxy
+from utils.core.boxes import non_max_suppression, postprocess, xywh2xyxy
 from utils.infer.backends import Backend
 
 PARITY_CONF, PARITY_IOU, PARITY_MAX_DET = 0.25, 0.45, 300  # detect.py's thresholds: the detections users see
@@ -77,9 +85,14 @@ def compare(exported: Backend, reference: Backend, images: torch.Tensor, tol: To
     """Run both on ``images`` (uint8, B x 3 x H x W, on the reference's device) and compare."""
     a = exported(images)[0].float()
     b = reference(images)[0].float()
+    if exported.end2end != reference.end2end:
+        return ParityReport(tuple(images.shape), float("inf"), float("inf"), 0,
+                            f"end2end {exported.end2end} instead of {reference.end2end}", tol)
     if a.shape != b.shape:
         return ParityReport(tuple(images.shape), float("inf"), float("inf"), 0,
                             f"output shape {tuple(a.shape)} instead of {tuple(b.shape)}", tol)
+    if reference.end2end:
+        return compare_end2end(a, b, tuple(images.shape), tol)
     box = float((a[..., :4] - b[..., :4]).abs().max()) if a.numel() else 0.0
     score = float((a[..., 4:] - b[..., 4:]).abs().max()) if a.numel() else 0.0
     da = non_max_suppression(a, PARITY_CONF, PARITY_IOU, max_det=PARITY_MAX_DET)
@@ -141,3 +154,44 @@ def compare_detections(da: torch.Tensor, db: torch.Tensor, a: torch.Tensor, b: t
                 return (f"class {int(row[5])} at {[round(v, 1) for v in row[:4].tolist()]} score "
                         f"{float(row[4]):.3f} {where}"), 0
     return "", len(lone_a) + len(lone_b)
+
+
+def compare_end2end(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], tol: Tolerance) -> ParityReport:
+    """End-to-end detections (B, K, 6) of the export ``a`` and the checkpoint ``b``: every row clear of the
+    top-K cut pairs with a twin in the other (see the module docstring); the differences are the pairs'."""
+    box = score = 0.0
+    mismatch = ""
+    for i in range(len(a)):
+        for rows, other, where in ((a[i], b[i], "only in the export"), (b[i], a[i], "only in the checkpoint")):
+            d_box, d_score, lone = twin_differences(rows, other, tol)
+            box, score = max(box, d_box), max(score, d_score)
+            if lone is not None and not mismatch:
+                mismatch = (f"image {i}: class {int(lone[5])} at {[round(v, 1) for v in lone[:4].tolist()]} score "
+                            f"{float(lone[4]):.3f} {where}")
+    shown = postprocess(b, True, PARITY_CONF, max_det=b.shape[1])
+    return ParityReport(shape, box, score, sum(len(d) for d in shown), mismatch, tol)
+
+
+def twin_differences(rows: torch.Tensor, other: torch.Tensor,
+                     tol: Tolerance) -> tuple[float, float, torch.Tensor | None]:
+    """For each of ``rows`` (K, 6) scoring clearly above ``other``'s lowest score, its nearest row of the same
+    class in ``other`` (distance in tolerances, box and score): the largest box and score differences of these
+    pairs, and the first row with no twin within tolerance (None when all have one)."""
+    settled = rows[rows[:, 4] > other[:, 4].min() + 2 * tol.score] if len(other) else rows
+    if not len(settled):
+        return 0.0, 0.0, None
+    if not len(other):
+        return float("inf"), float("inf"), settled[0]
+    d_box = (settled[:, None, :4] - other[None, :, :4]).abs().amax(2)  # (n, K)
+    d_score = (settled[:, None, 4] - other[None, :, 4]).abs()
+    far = (d_box / tol.box_px).maximum(d_score / tol.score)
+    far[settled[:, None, 5] != other[None, :, 5]] = float("inf")  # a twin has the same class
+    j = far.argmin(1)
+    n = torch.arange(len(settled), device=rows.device)
+    paired = far[n, j].isfinite()
+    lone = (~paired) | (far[n, j] > 1)
+    box = float(d_box[n, j][paired].max()) if paired.any() else 0.0
+    score = float(d_score[n, j][paired].max()) if paired.any() else 0.0
+    if (~paired).any():
+        box = score = float("inf")
+    return box, score, settled[int(lone.nonzero()[0])] if lone.any() else None

@@ -1,10 +1,11 @@
 """Letterboxed images -> detections in original-image pixels: the inference half of detect.py.
 
 The steps are val.py's (utils/eval/evaluate.py): the uint8 batch to the device, float / 255 in the
-model's layout, the backend's decoded (B, N, 4 + nc) output, ``non_max_suppression`` per image,
-``unletterbox`` per image. So at the same thresholds an image gets the boxes val.py gets for it
-(with ``multi_label``, val's setting, and ``val.py --no-rect``'s square input), and no image's
-boxes depend on the other images of its batch.
+model's layout, the backend's output, ``postprocess`` per image (NMS of the decoded (B, N, 4 + nc)
+form, or an end-to-end model's own detections filtered by score and class), ``unletterbox`` per
+image. So at the same thresholds an image gets the boxes val.py gets for it (with
+``multi_label``, val's setting, and ``val.py --no-rect``'s square input), and no image's boxes
+depend on the other images of its batch.
 """
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from utils.core.boxes import non_max_suppression
+from utils.core.boxes import postprocess
 from utils.data.geometry import Placement, unletterbox
 from utils.infer.backends import Backend, TorchBackend
 
 
 @dataclass(frozen=True)
 class PredictOptions:
-    """NMS settings (YOLOv5 detect.py's defaults) and the numerics of the forward pass."""
+    """NMS settings (YOLOv5 detect.py's defaults; an end-to-end model uses conf, classes and max_det only)
+    and the numerics of the forward pass."""
 
     conf_thres: float = 0.25
     iou_thres: float = 0.45
@@ -37,7 +39,7 @@ class Predictor:
     """Runs a backend on letterboxed uint8 batches and keeps the time spent per stage.
 
     ``times`` holds seconds spent in pre-processing (to device, float, layout), inference and NMS
-    (with unletterboxing) over ``images`` images.
+    (or an end-to-end model's selection; with unletterboxing) over ``images`` images.
     """
 
     def __init__(self, backend: Backend, device: torch.device, opts: PredictOptions = PredictOptions()) -> None:
@@ -62,8 +64,8 @@ class Predictor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the inference time is not billed to NMS
         t2 = time.perf_counter()
-        dets = non_max_suppression(decoded.float(), o.conf_thres, o.iou_thres, classes=list(o.classes) if o.classes
-                                   else None, agnostic=o.agnostic, multi_label=o.multi_label, max_det=o.max_det)
+        dets = postprocess(decoded.float(), self.backend.end2end, o.conf_thres, o.iou_thres, o.max_det,
+                           list(o.classes) if o.classes else None, o.agnostic, o.multi_label)
         out = [unletterbox(d, p) for d, p in zip(dets, placements)]
         t3 = time.perf_counter()
         self.times += (t1 - t0, t2 - t1, t3 - t2)
