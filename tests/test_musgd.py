@@ -226,3 +226,19 @@ def test_musgd_is_chosen_by_name_and_kept_for_resume():
         ("MuSGD", 0.01, 0.937, 0.1, 64)
     assert train.parse_opt(["--optimizer", "MuSGD"]).optimizer == "MuSGD"
     assert choose_optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30, anchored=False).name == "SGD"
+
+
+def test_channels_last_weights_step_as_contiguous_ones():
+    """--channels-last: a conv weight's Newton-Schulz view is its logical (out, in * kh * kw) matrix whatever its
+    memory layout."""
+    plain, nhwc = _model(), _model().to(memory_format=torch.channels_last)
+    assert not nhwc[0].weight.is_contiguous()
+    opts = [smart_optimizer(m, "MuSGD", lr=LR, momentum=MOMENTUM, decay=DECAY) for m in (plain, nhwc)]
+    for seed in (15, 16):
+        for m, o in zip((plain, nhwc), opts):
+            _set_grads(m, seed)
+            for p in m.parameters():
+                if m is nhwc and p.ndim == 4:
+                    p.grad = p.grad.contiguous(memory_format=torch.channels_last)
+            o.step()
+    assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(plain.parameters(), nhwc.parameters()))
