@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
     add_workers_flag(p)
-    p.add_argument("--optimizer", default="auto", choices=("auto", "SGD", "Adam", "AdamW"),
+    p.add_argument("--optimizer", default="auto", choices=("auto", "SGD", "MuSGD", "Adam", "AdamW"),
                    help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "
-                        "class count on short schedules, SGD on long ones (the log says which and why)")
+                        "class count on short schedules, SGD on long ones (the log says which and why); MuSGD: Muon's "
+                        "orthogonalised step plus SGD on conv/linear weights, SGD elsewhere")
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
     p.add_argument("--patience", type=Range(int, min=0), default=100,

@@ -13,6 +13,7 @@ import torch.nn as nn
 from models.yolo import de_parallel
 from utils.core import dist
 from utils.core.logging import LOGGER
+from utils.engine.muon import MuSGD
 from utils.weights.checkpoint import fp32_state_dict
 
 NOMINAL_BATCH = 64  # weight decay is expressed per this many images; SGD recipes accumulate to it
@@ -32,7 +33,7 @@ class OptimizerChoice:
     """The optimizer a run trains with, after --optimizer auto is resolved. Saved in checkpoints so a
     resume (even one with more --epochs, which could flip the auto rule) keeps the run's optimizer."""
 
-    name: str  # SGD, Adam or AdamW
+    name: str  # SGD, MuSGD, Adam or AdamW
     lr: float
     momentum: float  # SGD momentum / Adam beta1
     warmup_bias_lr: float
@@ -52,8 +53,7 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
       per-parameter step size does not grow with the batch, so four times the steps is about four
       times the learning at the same images/s (measured: docs/benchmarks.md, "Against Ultralytics").
       Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the
-      nominal 64 (Ultralytics 8.3's choice; 8.4 switched to its own MuSGD, which this project does
-      not have).
+      nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers).
 
     A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written, and 64.
     """
@@ -97,6 +97,8 @@ def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, mome
         opt = torch.optim.AdamW(groups[2], lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=True)
     elif name == "SGD":
         opt = torch.optim.SGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
+    elif name == "MuSGD":  # Muon + SGD on the weights of 2+ dimensions (all in the decayed group), SGD elsewhere
+        opt = MuSGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
     else:
         raise NotImplementedError(f"optimizer {name} not implemented")
     opt.add_param_group({"params": groups[0], "weight_decay": 0.0})
