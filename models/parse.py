@@ -160,6 +160,10 @@ def _check_top_level(d: dict, source: str) -> None:
     for key in ("backbone", "head"):
         if key not in d:
             raise UserError(f"{source}: missing key '{key}'")
+    if "end2end" in d and not isinstance(d["end2end"], bool):
+        raise UserError(f"{source}: 'end2end' must be true or false, got {d['end2end']!r}")
+    if "reg_max" in d and not _is_pos_int(d["reg_max"]):
+        raise UserError(f"{source}: 'reg_max' must be a positive integer, got {d['reg_max']!r}")
     if "anchors" not in d and head_has_anchors(d):
         raise UserError(f"{source}: missing key 'anchors'")
     for key in ("backbone", "head"):
@@ -169,10 +173,6 @@ def _check_top_level(d: dict, source: str) -> None:
         v = d.get(key, 1.0)
         if not _is_pos_number(v):
             raise UserError(f"{source}: '{key}' must be a positive number, got {v!r}")
-    if "end2end" in d and not isinstance(d["end2end"], bool):
-        raise UserError(f"{source}: 'end2end' must be true or false, got {d['end2end']!r}")
-    if "reg_max" in d and not _is_pos_int(d["reg_max"]):
-        raise UserError(f"{source}: 'reg_max' must be a positive integer, got {d['reg_max']!r}")
     if "ch" in d and not _is_pos_int(d["ch"]):
         raise UserError(f"{source}: 'ch' must be a positive integer, got {d['ch']!r}")
     if "scales" in d:
