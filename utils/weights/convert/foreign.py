@@ -27,7 +27,9 @@ from models.parse import SIZE_IN_NAME
 from models.yolo import Model
 from utils.core.errors import UserError
 from utils.weights.convert.reader import Archive, Recorded, TensorRef
-from utils.weights.convert.sniff import ULTRALYTICS, YOLOV5, Sniffed, sniff  # noqa: F401 (re-exported)
+from utils.weights.convert.sniff import ULTRALYTICS, YOLOV5, Sniffed, sniff
+
+__all__ = ["ULTRALYTICS", "YOLOV5", "ForeignModel", "Sniffed", "sniff", "read_foreign", "build_model", "convert"]
 
 PACKAGE_TITLES = {YOLOV5: "YOLOv5", ULTRALYTICS: "Ultralytics"}
 MODEL_CLASSES = {  # recorded class path of the top-level model -> package
