@@ -140,6 +140,16 @@ def test_topk_matches_a_brute_force_selection():
         assert torch.allclose(out[b, :, 4], torch.tensor([s for s, _, _ in pairs]))
 
 
+def test_agnostic_topk_keeps_one_class_per_box():
+    torch.manual_seed(2)
+    boxes, scores = torch.rand(1, 40, 4), torch.rand(1, 40, 3)
+    out = topk_dets(boxes, scores, 8, agnostic=True)
+    best, labels = scores[0].max(1)
+    idx = best.topk(8).indices
+    assert torch.equal(out[0, :, :4], boxes[0, idx]) and torch.equal(out[0, :, 4], best[idx])
+    assert torch.equal(out[0, :, 5], labels[idx].float())
+
+
 def test_fused_equals_unfused(n_model):
     x = torch.rand(2, 3, 64, 96)
     fused = copy.deepcopy(n_model).fuse()

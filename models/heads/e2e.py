@@ -55,6 +55,7 @@ class E2EDetect(Head):
         self.dw_cls = bool(dw_cls)
         self.max_det = MAX_DET
         self.end2end = True
+        self.agnostic = False  # end-to-end top-k over anchors only: one class per box (Ultralytics' agnostic_nms)
         self.register_buffer("stride", torch.zeros(self.nl))
         c2 = max(16, ch[0] // 4, 4 * reg_max)  # box branch width
         c3 = max(ch[0], min(self.nc, 100))  # class branch width
@@ -104,7 +105,7 @@ class E2EDetect(Head):
     def _dets(self, raw: list[torch.Tensor]) -> torch.Tensor:
         """(B, k, 6) end-to-end detections from the one-to-one levels, k = min(max_det, N)."""
         boxes, cls = self._boxes(raw, xywh=False)
-        return topk_dets(boxes.transpose(1, 2), cls.sigmoid().transpose(1, 2), self.max_det)
+        return topk_dets(boxes.transpose(1, 2), cls.sigmoid().transpose(1, 2), self.max_det, self.agnostic)
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> E2ELoss:
         return E2ELoss(self, E2ELossGains.from_hyp(hyp))
@@ -118,15 +119,21 @@ class E2EDetect(Head):
                 cls[-1].bias.data[: self.nc] = math.log(5 / self.nc / (640 / s) ** 2)
 
 
-def topk_dets(boxes: torch.Tensor, scores: torch.Tensor, max_det: int) -> torch.Tensor:
+def topk_dets(boxes: torch.Tensor, scores: torch.Tensor, max_det: int, agnostic: bool = False) -> torch.Tensor:
     """Boxes (B, N, 4) and scores (B, N, nc) -> (B, k, 6) [box, score, class], best first, k = min(max_det, N).
 
     Two top-k passes, as Ultralytics 8.4 selects (so imported weights give its boxes): first the k
     anchors whose best class scores highest, then the k best (anchor, class) pairs among those, so
     one anchor may give several classes. No NMS: the one-to-one branch scores one box per object.
+    ``agnostic``: one pass over the anchors' best classes, so each box has one class.
     """
     nc = scores.shape[-1]
     k = min(int(max_det), scores.shape[1])
+    if agnostic:
+        best, labels = scores.max(-1)
+        top, anchor_idx = best.topk(k, dim=1)
+        picked = boxes.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, boxes.shape[-1]))
+        return torch.cat((picked, top.unsqueeze(-1), labels.gather(1, anchor_idx).unsqueeze(-1).to(top.dtype)), -1)
     anchor_idx = scores.amax(-1).topk(k, dim=1).indices  # (B, k)
     scores = scores.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, nc))
     top, idx = scores.flatten(1).topk(k, dim=1)
