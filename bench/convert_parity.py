@@ -5,6 +5,8 @@
     python bench/convert_parity.py --models yolov5n yolov8n yolo11n --epochs 10 --n-train 128 --n-val 64
     python bench/convert_parity.py --models yolov5s yolov8s yolo11m yolov5nu
     python bench/convert_parity.py --yolov5-python Y/bin/python --ultralytics-python U/bin/python
+    python bench/convert_parity.py --models yolo26n --no-val --ultralytics-python .venv/bin/python \
+        --ultralytics-pythonpath /work/ultra-pkgs   # ultralytics as plain packages beside this repo's venv
 
 Nothing can be downloaded here, so each package first makes genuine checkpoints: it trains its own
 model yaml from scratch (yolov5 train --weights '', yolo train pretrained=False) on a copy of the
@@ -16,10 +18,12 @@ for every such file:
            fp32, eval) and runs a fixed random batch; we read the same file through
            utils.weights.checkpoint.load_model (the allow-listed reader, converted in memory) and run
            the same batch. Compared: the decoded predictions (YOLOv5's objectness multiplied into its
-           class scores, as ours report them) and the raw head outputs, as the largest absolute
-           difference and that divided by the largest absolute value of the package's output. Parity
-           means at most --tol (default 1e-4): fp32 sums of a few thousand terms in another order
-           differ by about 1e-6 of their size, so anything larger is a real difference.
+           class scores, as ours report them; for YOLO26 both its end-to-end detections and, with
+           end2end off, its one-to-many NMS form) and the raw head outputs (both YOLO26 branches), as
+           the largest absolute difference and that divided by the largest absolute value of the
+           package's output. Parity means at most --tol (default 1e-4): fp32 sums of a few thousand
+           terms in another order differ by about 1e-6 of their size, so anything larger is a real
+           difference.
   val      last.pt scored by the package's own val and by our val.py --weights <the same file>, on the
            same images with the same thresholds (conf 0.001, max 300 detections; NMS IoU 0.6 for
            YOLOv5, 0.7 for Ultralytics, each package's default). Our mAP is COCO's definition
@@ -59,54 +63,12 @@ from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 from utils.core.logging import setup_logging  # noqa: E402
 from utils.weights.checkpoint import CheckpointCard, load_model  # noqa: E402
 
+from bench.convert_parity_shims import OUR_VAL_SHIM, THEIR_SHIM  # noqa: E402
+
 YOLOV5_MODELS = ("yolov5n", "yolov5s", "yolov5m", "yolov5l", "yolov5x")
 VAL_IOU = {"yolov5": 0.6, "ultralytics": 0.7}
 
-# Run by the packages' interpreters: sys.argv = [shim, mode, json args]. Writes its result files.
-THEIR_SHIM = r'''
-import json, sys
-import numpy as np, torch
-mode, a = sys.argv[1], json.loads(sys.argv[2])
-if mode == "outputs":
-    x = torch.from_numpy(np.load(a["input"]))
-    for w, out in zip(a["weights"], a["outs"]):
-        ckpt = torch.load(w, map_location="cpu", weights_only=False)  # a file the package itself just wrote
-        model = (ckpt.get("ema") or ckpt["model"]).float().eval()
-        with torch.no_grad():
-            y, raw = model(x)
-        arrays = {"decoded": y.numpy()}
-        if isinstance(raw, dict):
-            arrays.update(boxes=raw["boxes"].numpy(), scores=raw["scores"].numpy())
-        else:
-            arrays.update({f"raw{i}": r.numpy() for i, r in enumerate(raw)})
-        np.savez(out, **arrays)
-elif mode == "yolov5-val":
-    import yolov5.val as yv
-    def offline(*args, **kwargs):  # its COCO scoring would pip-install pycocotools; the json is written before
-        raise RuntimeError("offline")
-    yv.check_requirements = offline
-    r = yv.run(data=a["data"], weights=a["weights"], imgsz=a["imgsz"], batch_size=a["batch"], conf_thres=a["conf"],
-               iou_thres=a["iou"], device="cpu", workers=0, plots=False, save_json=True, project=a["project"],
-               name="val", exist_ok=True)
-    json.dump({"map50": float(r[0][2]), "map": float(r[0][3]),
-               "predictions": f"{a['project']}/val/{a['stem']}_predictions.json"}, open(a["out"], "w"))
-elif mode == "ultralytics-val":
-    from ultralytics import YOLO
-    r = YOLO(a["weights"]).val(data=a["data"], imgsz=a["imgsz"], batch=a["batch"], conf=a["conf"], iou=a["iou"],
-                               device="cpu", workers=0, plots=False, save_json=True, project=a["project"],
-                               name="val", exist_ok=True)
-    json.dump({"map50": float(r.box.map50), "map": float(r.box.map),
-               "predictions": str(r.save_dir / "predictions.json")}, open(a["out"], "w"))
-else:
-    raise SystemExit(f"unknown mode {mode}")
-'''
-OUR_VAL_SHIM = r'''
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import val
-r = val.main(val.parse_opt(sys.argv[3:]))[0]
-json.dump({"map50": r.metrics.map50, "map": r.metrics.map}, open(sys.argv[2], "w"))
-'''
+PYTHONPATHS: dict[str, str] = {}  # interpreter -> extra PYTHONPATH (set once by main from the options)
 MAX_DET = 300  # every tool's val default; COCOeval scores this many per image (its own default is 100)
 
 
@@ -131,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yolov5-python", default="/work/yolov5-venv/bin/python", help="python of the yolov5 venv")
     p.add_argument("--ultralytics-python", default="/work/ultra-venv/bin/python",
                    help="python of the ultralytics venv")
+    p.add_argument("--ultralytics-pythonpath", default="",
+                   help="folder put on PYTHONPATH for --ultralytics-python (ultralytics installed as plain packages "
+                        "there, e.g. /work/ultra-pkgs with this repo's venv python)")
+    p.add_argument("--no-val", action="store_true", help="compare outputs only (skip both tools' val)")
     p.add_argument("--epochs", type=Range(int, min=1), default=1, help="training epochs that make each checkpoint")
     p.add_argument("--imgsz", type=IMGSZ, default=128)
     p.add_argument("--batch-size", type=Range(int, min=1), default=16)
@@ -172,7 +138,8 @@ def dataset_copy(dst: Path, n_train: int, n_val: int) -> Path:
 
 
 def package_env(work: Path, python: str) -> dict[str, str]:
-    """Offline, everything inside the work dir (see the module docstring)."""
+    """Offline, everything inside the work dir (see the module docstring); the interpreter's extra
+    PYTHONPATH (``--ultralytics-pythonpath``) when it has one."""
     config = work / "config"
     config.mkdir(parents=True, exist_ok=True)
     font = config / "Arial.ttf"
@@ -185,7 +152,18 @@ def package_env(work: Path, python: str) -> dict[str, str]:
                                                             "PYTHONPATH")}
     env.update(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", YOLOV5_CONFIG_DIR=str(config), YOLO_CONFIG_DIR=str(config),
                MPLCONFIGDIR=str(work / "mpl"), YOLO_OFFLINE="1", YOLO_AUTOINSTALL="false", PYTHONUNBUFFERED="1")
+    if PYTHONPATHS.get(python):
+        env["PYTHONPATH"] = PYTHONPATHS[python]
     return env
+
+
+def quiet_ultralytics(work: Path, python: str) -> None:
+    """Ultralytics' integrations off in the work dir's settings: with mlflow or tensorboard importable in
+    its interpreter (this repo's venv has them) its training would try to log to them."""
+    off = ", ".join(f"{k}=False" for k in ("sync", "clearml", "comet", "dvc", "mlflow", "raytune", "tensorboard",
+                                             "wandb"))
+    run([python, "-c", f"from ultralytics.utils import SETTINGS; SETTINGS.update({off})"],
+        package_env(work, python), work, work / "settings.log")
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
@@ -209,6 +187,7 @@ def train_package(model: str, opt: argparse.Namespace, work: Path, python: str) 
                "--device", "cpu", "--workers", "0", "--noplots", "--seed", str(opt.seed), "--project", str(project),
                "--name", "train", "--exist-ok", "--save-period", str(opt.epochs)]
     else:
+        quiet_ultralytics(work, python)
         args = (f"detect train model={model}.yaml pretrained=False data={data} imgsz={opt.imgsz} "
                 f"batch={opt.batch_size} epochs={opt.epochs} device=cpu workers=0 seed={opt.seed} plots=False "
                 f"exist_ok=True project={project} name=train save_period={opt.epochs}")
@@ -247,8 +226,17 @@ def our_outputs(file: Path, x: np.ndarray) -> tuple[dict[str, np.ndarray], Check
         decoded, raw = model(torch.from_numpy(x))
     if model.detect.has_anchors:  # YOLOv5: (B, N, 4 + nc), objectness already multiplied in
         return {"decoded": decoded.numpy(), **{f"raw{i}": r.numpy() for i, r in enumerate(raw)}}, card
-    flat = torch.cat([r.flatten(2) for r in raw], 2)
     nbox = 4 * model.detect.reg_max
+    if isinstance(raw, dict):  # YOLO26: end-to-end dets, then the one-to-many branch's NMS form
+        out = {"decoded": decoded.numpy()}
+        for branch, key in (("one2many", "o2m"), ("one2one", "o2o")):
+            flat = torch.cat([r.flatten(2) for r in raw[branch]], 2)
+            out.update({f"{key}_boxes": flat[:, :nbox].numpy(), f"{key}_scores": flat[:, nbox:].numpy()})
+        model.detect.end2end = False
+        with torch.no_grad():
+            out["decoded_o2m"] = model(torch.from_numpy(x))[0].transpose(1, 2).numpy()
+        return out, card
+    flat = torch.cat([r.flatten(2) for r in raw], 2)
     return {"decoded": decoded.transpose(1, 2).numpy(), "boxes": flat[:, :nbox].numpy(),
             "scores": flat[:, nbox:].numpy()}, card
 
@@ -257,7 +245,7 @@ def comparable(theirs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """YOLOv5's decoded rows are (xywh, obj, cls...): multiply obj into cls, as ours report scores."""
     out = dict(theirs)
     d = theirs["decoded"]
-    if "boxes" not in theirs:
+    if "boxes" not in theirs and "o2o_boxes" not in theirs:
         out["decoded"] = np.concatenate([d[..., :4], d[..., 5:] * d[..., 4:5]], -1)
     return out
 
@@ -280,9 +268,10 @@ def compare_outputs(model: str, files: list[Path], x: np.ndarray, x_path: Path, 
     for f, theirs in zip(files, their_outputs(files, x_path, work, python)):
         theirs = comparable(theirs)
         ours, card = our_outputs(f, x)
-        raw_keys = [k for k in theirs if k != "decoded"]
+        decoded = [k for k in theirs if k.startswith("decoded")]  # YOLO26: its dets and its NMS form
+        raw_keys = [k for k in theirs if k not in decoded]
         rows.append(Parity(model, f.name, card.converted_weights, card.tensors,
-                           *difference(ours, theirs, ["decoded"]), *difference(ours, theirs, raw_keys)))
+                           *difference(ours, theirs, decoded), *difference(ours, theirs, raw_keys)))
     return rows
 
 
@@ -351,6 +340,8 @@ def report(rows: list[Parity], vals: dict[str, dict[str, dict]], opt: argparse.N
         ok = "ok" if max(r.decoded_rel, r.raw_rel) <= opt.tol else "DIFFERENT"
         lines.append(f"{r.model:<9}{r.file:<12}{r.weights:<9}{r.tensors:>8}{r.decoded_abs:>16.3g}"
                      f"{r.decoded_rel:>10.3g}{r.raw_abs:>12.3g}{r.raw_rel:>10.3g}  {ok}")
+    if not vals:  # --no-val
+        return "\n".join(lines)
     lines += ["", f"val of last.pt on the {opt.n_val} val images at {opt.imgsz} px (conf 0.001, max det {MAX_DET}, "
               "each package's NMS IoU): each tool's own figure, and both tools' detections scored by one COCOeval",
               f"{'model':<9}{'tool':<13}{'mAP50':>9}{'mAP50-95':>10}{'COCOeval mAP50':>16}{'mAP50-95':>10}", "-" * 67]
@@ -368,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = build_parser().parse_args(argv)
     setup_logging(verbose=False)
     pythons = {"yolov5": opt.yolov5_python, "ultralytics": opt.ultralytics_python}
+    if opt.ultralytics_pythonpath:
+        PYTHONPATHS[opt.ultralytics_python] = str(Path(opt.ultralytics_pythonpath).resolve())
     for model in opt.models:
         if not Path(pythons[package_of(model)]).is_file():
             raise SystemExit(f"--{package_of(model)}-python {pythons[package_of(model)]}: not found")
@@ -381,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             python = pythons[package_of(model)]
             files = train_package(model, opt, work, python)
             rows += compare_outputs(model, files, x, x_path, work, python)
-            vals[model] = compare_val(model, files[-1], opt, work, python)
+            if not opt.no_val:
+                vals[model] = compare_val(model, files[-1], opt, work, python)
     finally:
         if not opt.work_dir and not opt.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -6,7 +6,7 @@ Two families of references:
 - YOLOv5 n/s/m/l/x (``models/yolov5{n,s,m,l,x}.yaml``) against YOLOv5's published v6 table, which
   counts fused models (Conv+BN folded, so no BN parameters) and rounds (0.1M, 0.1G), so a faithful
   build lands well inside 2%. ``--models n,s`` still means these.
-- The anchor-free families (``yolov8{n..x}``, ``yolo11{n..x}``, ``yolov5{n,s}u``: each a family
+- The anchor-free families (``yolov8{n..x}``, ``yolo11{n..x}``, ``yolo26{n..x}``, ``yolov5{n,s}u``: each a family
   yaml at a scale) against exact figures measured with Ultralytics 8.4.190 on unfused models;
   "not given" where no reference figure was available (ours are printed, nothing is checked).
 
@@ -53,6 +53,11 @@ ULTRALYTICS_AF: dict[str, Reference] = {
     "yolo11x": Reference(56.966176, 196.32, False),
     "yolov5nu": Reference(2.654816, 7.84, False),
     "yolov5su": Reference(9.153152, 24.21, False),
+    "yolo26n": Reference(2.572280, 6.24, False),
+    "yolo26s": Reference(10.009784, 23.08, False),
+    "yolo26m": Reference(21.896248, 75.64, False),
+    "yolo26l": Reference(26.299704, 94.16, False),
+    "yolo26x": Reference(58.993368, 210.07, False),
 }
 REFERENCES: dict[str, Reference] = {**PUBLISHED_V5, **ULTRALYTICS_AF}
 

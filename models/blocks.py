@@ -142,20 +142,32 @@ class C3(nn.Module):
 
 
 class SPPF(nn.Module):
-    """Spatial pyramid pooling, fast: three chained k x k max-pools equal SPP's 5/9/13 pools."""
+    """Spatial pyramid pooling, fast: ``n`` chained k x k max-pools (three 5x5 pools equal SPP's 5/9/13).
 
-    def __init__(self, c1: int, c2: int, k: int = 5) -> None:
+    Two forms, told apart by whether the row gives ``n``: YOLOv5 / YOLOv8 / YOLO11 rows (``[c2, k]``)
+    get three pools after an activated 1x1 conv; YOLO26's rows (``[c2, k, n, shortcut]``, Ultralytics
+    8.4) leave that first 1x1 conv linear (the pools see signed features) and may add the input back
+    when ``shortcut`` and the widths match. Keeping ``n=None`` for the old form keeps every existing
+    model's outputs and imported weights unchanged.
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 5, n: int | None = None, shortcut: bool = False) -> None:
         super().__init__()
         c_ = c1 // 2
-        self.cv1 = Conv(c1, c_, 1, 1)
-        self.cv2 = Conv(c_ * 4, c2, 1, 1)
+        self.n = 3 if n is None else int(n)
+        if self.n < 1:
+            raise ValueError(f"SPPF needs at least one pooling step, got n={n}")
+        self.cv1 = Conv(c1, c_, 1, 1, act=n is None)
+        self.cv2 = Conv(c_ * (self.n + 1), c2, 1, 1)
         self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+        self.add = bool(shortcut) and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.cv1(x)
-        y1 = self.m(x)
-        y2 = self.m(y1)
-        return self.cv2(torch.cat((x, y1, y2, self.m(y2)), 1))
+        y = [self.cv1(x)]
+        for _ in range(self.n):
+            y.append(self.m(y[-1]))
+        out = self.cv2(torch.cat(y, 1))
+        return out + x if self.add else out
 
 
 class Concat(nn.Module):

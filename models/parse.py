@@ -16,7 +16,9 @@ Two ways to size a model:
   gets ``c3k`` True (YOLO11's rule: those sizes use C3k stages).
 
 Anchors (top-level ``anchors``) are required only when the last row is an anchor head (Detect);
-an anchor-free head (DFLDetect) needs none.
+an anchor-free head (DFLDetect, E2EDetect) needs none. Top-level ``end2end`` (bool) and ``reg_max``
+(positive integer) are Ultralytics 8.4's keys: ``end2end: True`` makes the head row the end-to-end
+head (models/registry.py says which class each row builds).
 """
 from __future__ import annotations
 
@@ -29,37 +31,20 @@ from typing import Any, NamedTuple
 import yaml
 from torch import nn
 
-from models.blocks import C2PSA, C3, SPPF, Bottleneck, C2f, C3k2, Concat, Conv, DWConv
-from models.heads.anchor import Detect, check_anchors_spec
+from models.blocks import C3k2, Concat
+from models.heads.anchor import check_anchors_spec
 from models.heads.base import Head
-from models.heads.dfl import DFLDetect
+from models.registry import (CHANNEL_MODULES, MODULES, REPEAT_INSIDE, head_args, head_class, head_has_anchors,
+                             head_names, row_class)
 from utils.core.errors import UserError, did_you_mean
 from utils.core.logging import LOGGER
 
 MODELS_DIR = Path(__file__).resolve().parent
-TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "scales", "scale", "anchors", "backbone", "head", "ch")
+TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "scales", "scale", "anchors", "backbone", "head", "ch",
+                  "end2end", "reg_max")
 SIZE_IN_NAME = re.compile(r"yolov?\d+([nslmx])")  # yolov8n, yolo11s, yolov5nu: the letter is the scale
 C3K_SCALES = ("m", "l", "x")
 UPSAMPLE_MODES = ("nearest", "bilinear", "bicubic")
-
-
-# Names a model yaml may use, and the class each builds. Nothing outside this dict is reachable.
-MODULES: dict[str, type[nn.Module]] = {
-    "Conv": Conv,
-    "DWConv": DWConv,
-    "Bottleneck": Bottleneck,
-    "C3": C3,
-    "C2f": C2f,
-    "C3k2": C3k2,
-    "C2PSA": C2PSA,
-    "SPPF": SPPF,
-    "Concat": Concat,
-    "Detect": Detect,
-    "DFLDetect": DFLDetect,
-    "nn.Upsample": nn.Upsample,
-}
-CHANNEL_MODULES = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, C2PSA, SPPF)  # args start with output channels
-REPEAT_INSIDE = (C3, C2f, C3k2, C2PSA)  # take `number` as their own depth argument
 
 
 class Scaling(NamedTuple):
@@ -175,6 +160,10 @@ def _check_top_level(d: dict, source: str) -> None:
     for key in ("backbone", "head"):
         if key not in d:
             raise UserError(f"{source}: missing key '{key}'")
+    if "end2end" in d and not isinstance(d["end2end"], bool):
+        raise UserError(f"{source}: 'end2end' must be true or false, got {d['end2end']!r}")
+    if "reg_max" in d and not _is_pos_int(d["reg_max"]):
+        raise UserError(f"{source}: 'reg_max' must be a positive integer, got {d['reg_max']!r}")
     if "anchors" not in d and head_has_anchors(d):
         raise UserError(f"{source}: missing key 'anchors'")
     for key in ("backbone", "head"):
@@ -209,22 +198,6 @@ def _check_scales(d: dict, source: str) -> None:
     if scale is not None and scale not in scales:
         choices = ", ".join(map(str, scales))
         raise UserError(f"{source}: scale {scale!r} is not one of the yaml's scales ({choices})")
-
-
-def head_class(d: dict) -> type[Head] | None:
-    """The head class the yaml's last row names, or None when that row is not a registered head."""
-    rows = d.get("head")
-    row = rows[-1] if isinstance(rows, list) and rows else None
-    if not (isinstance(row, list) and len(row) == 4 and isinstance(row[2], str)):
-        return None
-    cls = MODULES.get(row[2])
-    return cls if isinstance(cls, type) and issubclass(cls, Head) else None
-
-
-def head_has_anchors(d: dict) -> bool:
-    """Whether the model needs anchors: yes unless its last row is a known anchor-free head."""
-    cls = head_class(d)
-    return cls is None or cls.has_anchors
 
 
 def _check_nc(d: dict, source: str) -> int:
@@ -262,8 +235,10 @@ def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tup
         raise UserError(f"{source}: backbone and head have no rows")
     for i, (section, k, row) in enumerate(rows):
         where = f"{source}: {section} row {k} {row!r}"
-        f, n, cls, args = _check_row(row, i, where)
+        f, n, cls, args = _check_row(row, i, where, d)
         args = _resolve_args(args, cls, nc, anchors, where)
+        if issubclass(cls, Head):
+            args = head_args(cls, args, d, [r for _, _, r in rows])
         n = max(round(n * gd), 1) if n > 1 else n
         m, c2 = _build_layer(cls, f, n, args, chs, sizing, no, where)
         m.i, m.f, m.kind = i, f, cls.__name__  # read by Model.forward and the layer table
@@ -275,12 +250,8 @@ def parse_model(d: dict, ch: int | list[int], source: str = "model yaml") -> tup
             chs = []
         chs.append(c2)
     if not isinstance(layers[-1], Head):
-        raise UserError(f"{source}: the last row of head must be a detection head ({', '.join(_head_names())})")
+        raise UserError(f"{source}: the last row of head must be a detection head ({', '.join(head_names())})")
     return nn.Sequential(*layers), sorted(save)
-
-
-def _head_names() -> list[str]:
-    return [k for k, v in MODULES.items() if issubclass(v, Head)]
 
 
 def _scaling(d: dict, source: str) -> Scaling:
@@ -294,7 +265,7 @@ def _scaling(d: dict, source: str) -> Scaling:
     return Scaling(depth, width, max_channels, d["scale"])
 
 
-def _check_row(row: Any, i: int, where: str) -> tuple[int | list[int], int, type[nn.Module], list]:
+def _check_row(row: Any, i: int, where: str, d: dict) -> tuple[int | list[int], int, type[nn.Module], list]:
     """Validate one [from, number, module, args] row; 'from' becomes absolute (except -1)."""
     if not isinstance(row, list) or len(row) != 4:
         raise UserError(f"{where}: a row must be [from, number, module, args]")
@@ -306,7 +277,7 @@ def _check_row(row: Any, i: int, where: str) -> tuple[int | list[int], int, type
         raise UserError(f"{where}: number must be a positive integer, got {n!r}")
     if not isinstance(args, list):
         raise UserError(f"{where}: args must be a list, got {args!r}")
-    return _check_from(f, i, where), n, MODULES[name], args
+    return _check_from(f, i, where), n, row_class(name, d), args
 
 
 def _check_from(f: Any, i: int, where: str) -> int | list[int]:

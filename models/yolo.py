@@ -103,6 +103,8 @@ class Model(nn.Module):
                             f"(check channel counts and 'from' indices): {e}") from None
         finally:
             self.train(was_training)
+        if isinstance(out, dict):  # the end-to-end head's two branches share the levels
+            out = out["one2many"]
         return torch.tensor([PROBE_SIZE / o.shape[-2] for o in out], dtype=torch.float32)
 
     def fuse(self) -> Model:

@@ -15,7 +15,7 @@ from utils.core.cli import ArgumentParser
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
 from utils.weights.checkpoint import load_checkpoint, load_foreign, save_checkpoint
-from utils.weights.convert.foreign import sniff
+from utils.weights.convert.sniff import sniff
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:

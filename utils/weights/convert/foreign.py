@@ -6,8 +6,8 @@ the model's ``yaml`` and ``names`` are attributes of the recorded model, and the
 walk ``nn.Module.state_dict`` makes (parameters, persistent buffers, then children).
 
 The file's yaml is rewritten for our registry (Ultralytics' anchor-free ``Detect`` is our
-``DFLDetect``; YOLOv5's anchors come from the trained ``anchors`` buffer, which autoanchor may have
-changed), our model is built from it, and then, module by module, the classes and the settings that
+``DFLDetect``, or ``E2EDetect`` when it holds YOLO26's one-to-one branches; YOLOv5's anchors come
+from the trained ``anchors`` buffer, which autoanchor may have changed), our model is built from it, and then, module by module, the classes and the settings that
 shape the output without showing in any tensor (strides, padding, groups, BatchNorm eps, residual
 adds, attention heads) must agree, and tensor by tensor every name must exist on both sides with the
 same shape (a missing or unexpected tensor is an error naming it; the head's ``stride``, a plain
@@ -26,10 +26,11 @@ from torch import nn
 from models.parse import SIZE_IN_NAME
 from models.yolo import Model
 from utils.core.errors import UserError
-from utils.weights.convert.reader import Archive, Recorded, ReadError, TensorRef, globals_named, is_tensor_plumbing
+from utils.weights.convert.reader import Archive, Recorded, TensorRef
+from utils.weights.convert.sniff import ULTRALYTICS, YOLOV5, Sniffed, sniff
 
-YOLOV5 = "yolov5"
-ULTRALYTICS = "ultralytics"
+__all__ = ["ULTRALYTICS", "YOLOV5", "ForeignModel", "Sniffed", "sniff", "read_foreign", "build_model", "convert"]
+
 PACKAGE_TITLES = {YOLOV5: "YOLOv5", ULTRALYTICS: "Ultralytics"}
 MODEL_CLASSES = {  # recorded class path of the top-level model -> package
     "models.yolo.DetectionModel": YOLOV5, "models.yolo.Model": YOLOV5,
@@ -49,8 +50,13 @@ CHECKED_ATTRS = {
     "PSABlock": ("add",),
     "Attention": ("num_heads", "key_dim", "head_dim", "scale"),
     "DFLDetect": ("nc", "reg_max"),
+    "E2EDetect": ("nc", "reg_max"),
+    "SPPF": ("n", "add"),
     "Detect": ("nc", "na"),
 }
+# What a recorded module lacking the attribute behaves as: SPPF's pool count and residual add came
+# with Ultralytics 8.4 (its forward reads them with these defaults); YOLOv5's SPPF has neither.
+ATTR_DEFAULTS = {("SPPF", "n"): 3, ("SPPF", "add"): False}
 
 
 @dataclass
@@ -73,38 +79,6 @@ class ForeignModel:
     def title(self) -> str:
         version = f" {self.version}" if self.version else ""
         return f"{PACKAGE_TITLES[self.package]}{version}"
-
-
-@dataclass(frozen=True)
-class Sniffed:
-    """What a file that ``torch.load(weights_only=True)`` refused is, read from its pickle's opcodes
-    (nothing unpickled): a YOLOv5 / Ultralytics checkpoint, or why it is readable as neither."""
-
-    package: str | None  # YOLOV5 or ULTRALYTICS when the pickle names their classes
-    problem: str  # otherwise what is wrong with it ('' when nothing specific was found)
-
-
-def sniff(path: str | Path) -> Sniffed:
-    """Classify a file by the globals its pickle names; see ``Sniffed``."""
-    try:
-        archive = Archive(path)
-        try:
-            named = globals_named(archive.raw_pickle())
-        finally:
-            archive.close()
-    except ReadError as e:
-        return Sniffed(None, e.reason)
-    modules = {m for m, _ in named}
-    if any(m.startswith("ultralytics.") for m in modules):
-        return Sniffed(ULTRALYTICS, "")
-    if any(m.startswith(("models.yolo", "models.common", "yolov5.models.")) for m in modules):
-        return Sniffed(YOLOV5, "")
-    objects = sorted(f"{m}.{n}" for m, n in named if not is_tensor_plumbing(m, n))
-    if not objects:
-        return Sniffed(None, "")
-    listed = ", ".join(objects[:3]) + (f" and {len(objects) - 3} more" if len(objects) > 3 else "")
-    return Sniffed(None, f"its pickle names {listed}: Python objects, which are read only from YOLOv5 and "
-                         "Ultralytics checkpoints")
 
 
 def read_foreign(archive: Archive) -> ForeignModel:
@@ -238,14 +212,21 @@ def our_yaml(fm: ForeignModel, archive: Archive) -> dict[str, Any]:
         if m is None or m.group(1) not in d["scales"]:
             raise UserError(f"{fm.source}: its model yaml has scales but names no scale")
         d["scale"] = m.group(1)
-    if "one2one_cv2" in head.attr("_modules", {}):
-        raise UserError(f"{fm.source}: an end-to-end (NMS-free) head, which yolotrain does not have")
     last = d["head"][-1] if isinstance(d.get("head"), list) and d["head"] else None
     if not (isinstance(last, list) and len(last) == 4 and last[2] == "Detect" and isinstance(last[3], list)):
         raise UserError(f"{fm.source}: the model's last row is not a Detect head ({last!r:.80})")
     reg_max = _int(head.attr("reg_max"), 16)
-    last[2], last[3] = "DFLDetect", [last[3][0] if last[3] else "nc", reg_max, _depthwise_cls(fm, head_name)]
+    e2e = _is_end2end(head)
+    if e2e:  # YOLO26: the end-to-end head; its yaml's end2end / reg_max keys are ours too
+        d["end2end"], d["reg_max"] = True, reg_max
+    last[2] = "E2EDetect" if e2e else "DFLDetect"
+    last[3] = [last[3][0] if last[3] else "nc", reg_max, _depthwise_cls(fm, head_name)]
     return d
+
+
+def _is_end2end(head: Recorded) -> bool:
+    """An Ultralytics 8.4 end-to-end Detect: it holds the one-to-one branches (YOLO26's ``end2end``)."""
+    return head.attr("_modules", {}).get("one2one_cv2") is not None
 
 
 def _yaml_name(fm: ForeignModel) -> str:
@@ -330,7 +311,9 @@ def _our_class(fm: ForeignModel, recorded: Recorded) -> str:
     name = recorded.path.rsplit(".", 1)[-1]
     if name in ("DetectionModel", "Model"):
         return "Model"
-    return "DFLDetect" if name == "Detect" and fm.package == ULTRALYTICS else name
+    if name == "Detect" and fm.package == ULTRALYTICS:
+        return "E2EDetect" if _is_end2end(recorded) else "DFLDetect"
+    return name
 
 
 def check_modules(fm: ForeignModel, model: nn.Module) -> None:
@@ -349,7 +332,8 @@ def check_modules(fm: ForeignModel, model: nn.Module) -> None:
             raise UserError(f"{fm.source}: layer '{name}' is {rec.path} in the file but {kind} in the model "
                             "built from its yaml")
         for attr in CHECKED_ATTRS.get(kind, ()):
-            theirs, own = _plain_attr(rec.attr(attr)), _plain_attr(getattr(mine, attr, None))
+            theirs = _plain_attr(rec.attr(attr, ATTR_DEFAULTS.get((kind, attr))))
+            own = _plain_attr(getattr(mine, attr, None))
             if not _same(theirs, own):
                 raise UserError(f"{fm.source}: layer '{name}' ({kind}) has {attr}={theirs!r} in the file but "
                                 f"{own!r} in the model built from its yaml")

@@ -1,0 +1,142 @@
+"""The end-to-end (NMS-free) head of YOLO26 (Ultralytics 8.4's ``Detect`` with ``end2end``): two copies
+of the anchor-free DFL head's branches over the same features.
+
+- one-to-many (``cv2``, ``cv3``): trained with task-aligned assignment (several positives per object),
+  like YOLOv8 / YOLO11; decoded it gives the usual (B, N, 4 + nc) form that NMS filters.
+- one-to-one (``one2one_cv2``, ``one2one_cv3``): trained with one positive per object, so its
+  scores already rank one box per object first; inference takes the top ``max_det`` scores and
+  needs no NMS. While training it runs on *detached* features: its loss trains only its own
+  branches, the backbone is shaped by the one-to-many loss alone (as Ultralytics 8.4 does).
+
+``reg_max`` 1 (YOLO26) means no DFL: the box branch outputs the four distances (grid units) directly,
+with no activation, as Ultralytics decodes them; ``reg_max`` > 1 keeps the DFL integral.
+
+``forward``: training returns ``{"one2many": [...], "one2one": [...]}``, per level (B, 4 * reg_max + nc,
+H, W), box channels first. In eval it returns ``(out, raw)`` with ``raw`` that same dict and ``out``:
+- ``end2end`` True: (B, min(max_det, N), 6) rows [x1, y1, x2, y2 (input pixels), score, class] from
+  the one-to-one branch, best score first (``topk_dets``);
+- ``end2end`` False: the one-to-many branch as (B, N, 4 + nc) xywh + sigmoid scores, the DFL head's form.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from models.blocks import DFL, Conv, DWConv
+from models.heads.base import Head, decode_outside_autocast
+from models.heads.dfl import DFLDetect
+from models.heads.e2e_loss import E2ELoss, E2ELossGains
+from utils.core.hyp import Hyp
+
+MAX_DET = 300  # Ultralytics' default number of end-to-end detections per image
+BOX_BIAS = 2.0  # initial box output: with reg_max 1 a distance of 2 cells per side (Ultralytics 8.4's bias)
+
+
+class E2EDetect(Head):
+    """One-to-many and one-to-one branch pairs per level; see the module docstring."""
+
+    has_anchors = False
+    # the anchor-point grid and its cache are the DFL head's (same points, same order)
+    anchor_points = DFLDetect.anchor_points
+    _anchor_points = DFLDetect._anchor_points
+    set_strides = DFLDetect.set_strides
+
+    def __init__(self, nc: int, reg_max: int = 1, dw_cls: bool = True, *, ch: list[int] | tuple[int, ...]) -> None:
+        super().__init__()
+        if not isinstance(reg_max, int) or isinstance(reg_max, bool) or reg_max < 1:
+            raise ValueError(f"reg_max must be a positive integer, got {reg_max!r}")
+        self.nc = int(nc)
+        self.nl = len(ch)
+        self.reg_max = reg_max
+        self.no = self.nc + 4 * reg_max
+        self.dw_cls = bool(dw_cls)
+        self.max_det = MAX_DET
+        self.end2end = True
+        self.agnostic = False  # end-to-end top-k over anchors only: one class per box (Ultralytics' agnostic_nms)
+        self.register_buffer("stride", torch.zeros(self.nl))
+        c2 = max(16, ch[0] // 4, 4 * reg_max)  # box branch width
+        c3 = max(ch[0], min(self.nc, 100))  # class branch width
+        self.cv2 = nn.ModuleList(
+            nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch)
+        self.cv3 = nn.ModuleList(self._cls_branch(c, c3) for c in ch)
+        self.dfl: nn.Module = DFL(reg_max) if reg_max > 1 else nn.Identity()
+        self.one2one_cv2 = copy.deepcopy(self.cv2)
+        self.one2one_cv3 = copy.deepcopy(self.cv3)
+        self._anchors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
+        """YOLO11's depthwise class branch (YOLO26's) when ``dw_cls``, else YOLOv8's."""
+        if self.dw_cls:
+            return nn.Sequential(nn.Sequential(DWConv(c, c, 3), Conv(c, c3, 1)),
+                                 nn.Sequential(DWConv(c3, c3, 3), Conv(c3, c3, 1)),
+                                 nn.Conv2d(c3, self.nc, 1))
+        return nn.Sequential(Conv(c, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, self.nc, 1))
+
+    def forward(self, xs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]] | tuple[torch.Tensor, dict]:
+        one2many = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]
+        feats = [x.detach() for x in xs] if self.training else xs  # one-to-one loss stays out of the backbone
+        one2one = [torch.cat((self.one2one_cv2[i](x), self.one2one_cv3[i](x)), 1) for i, x in enumerate(feats)]
+        raw = {"one2many": one2many, "one2one": one2one}
+        if self.training:
+            return raw
+        if self.end2end:
+            return decode_outside_autocast(self._dets, one2one), raw
+        return decode_outside_autocast(self._decode, one2many), raw
+
+    def _boxes(self, raw: list[torch.Tensor], xywh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw levels -> boxes (B, 4, N) in input pixels (xywh or xyxy) and class logits (B, nc, N)."""
+        bs = raw[0].shape[0]
+        x = torch.cat([r.view(bs, self.no, -1) for r in raw], 2)
+        box, cls = x.split((4 * self.reg_max, self.nc), 1)
+        points, strides = self._anchor_points([tuple(r.shape[2:]) for r in raw], x)
+        lt, rb = self.dfl(box).chunk(2, 1)  # grid units
+        x1y1, x2y2 = points - lt, points + rb
+        boxes = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1) if xywh else (x1y1, x2y2), 1) * strides
+        return boxes, cls
+
+    def _decode(self, raw: list[torch.Tensor]) -> torch.Tensor:
+        """(B, N, 4 + nc): xywh in pixels and sigmoid scores, the form NMS and base.Head expect."""
+        boxes, cls = self._boxes(raw, xywh=True)
+        return torch.cat((boxes, cls.sigmoid()), 1).transpose(1, 2)
+
+    def _dets(self, raw: list[torch.Tensor]) -> torch.Tensor:
+        """(B, k, 6) end-to-end detections from the one-to-one levels, k = min(max_det, N)."""
+        boxes, cls = self._boxes(raw, xywh=False)
+        return topk_dets(boxes.transpose(1, 2), cls.sigmoid().transpose(1, 2), self.max_det, self.agnostic)
+
+    def build_criterion(self, hyp: Hyp, imgsz: int) -> E2ELoss:
+        return E2ELoss(self, E2ELossGains.from_hyp(hyp))
+
+    def initialize_biases(self) -> None:
+        """Both branch pairs start alike: class scores at sigmoid(b) = 5 / nc / cells (about 5 positive
+        scores per 640 image and level, as the DFL head), box outputs at 2.0 (Ultralytics 8.4)."""
+        for boxes, classes in ((self.cv2, self.cv3), (self.one2one_cv2, self.one2one_cv3)):
+            for box, cls, s in zip(boxes, classes, self.stride.tolist()):
+                box[-1].bias.data[:] = BOX_BIAS
+                cls[-1].bias.data[: self.nc] = math.log(5 / self.nc / (640 / s) ** 2)
+
+
+def topk_dets(boxes: torch.Tensor, scores: torch.Tensor, max_det: int, agnostic: bool = False) -> torch.Tensor:
+    """Boxes (B, N, 4) and scores (B, N, nc) -> (B, k, 6) [box, score, class], best first, k = min(max_det, N).
+
+    Two top-k passes, as Ultralytics 8.4 selects (so imported weights give its boxes): first the k
+    anchors whose best class scores highest, then the k best (anchor, class) pairs among those, so
+    one anchor may give several classes. No NMS: the one-to-one branch scores one box per object.
+    ``agnostic``: one pass over the anchors' best classes, so each box has one class.
+    """
+    nc = scores.shape[-1]
+    k = min(int(max_det), scores.shape[1])
+    if agnostic:
+        best, labels = scores.max(-1)
+        top, anchor_idx = best.topk(k, dim=1)
+        picked = boxes.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, boxes.shape[-1]))
+        return torch.cat((picked, top.unsqueeze(-1), labels.gather(1, anchor_idx).unsqueeze(-1).to(top.dtype)), -1)
+    anchor_idx = scores.amax(-1).topk(k, dim=1).indices  # (B, k)
+    scores = scores.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, nc))
+    top, idx = scores.flatten(1).topk(k, dim=1)
+    anchor_idx = anchor_idx.gather(1, idx // nc)
+    picked = boxes.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, boxes.shape[-1]))
+    return torch.cat((picked, top.unsqueeze(-1), (idx % nc).unsqueeze(-1).to(top.dtype)), -1)
