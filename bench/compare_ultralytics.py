@@ -86,7 +86,7 @@ from bench.compare_yolov5 import base_env, epoch_times, steady, write_yaml  # no
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 MAX_DET = 300  # both tools' default val max_det; COCOeval scores this many per image (its default is 100)
-MODEL_NAME = re.compile(r"(yolov8|yolo11)[nslmx]|yolov5[nslmx]u")  # Ultralytics' anchor-free families
+MODEL_NAME = re.compile(r"(yolov8|yolo11|yolo26)[nsmlx]|yolov5[nsmlx]u")  # Ultralytics' anchor-free families
 
 # Run by either interpreter: sys.argv = [shim, mode, events.json, ROOT, *rest]. Records (what, start,
 # end, extra) stamps around the tool's own functions and writes them, with facts about the run, as JSON.
@@ -196,7 +196,7 @@ SETTINGS = ("import sys\nsys.argv = ['yolo', 'settings', *sys.argv[1:]]\n"
 def model_name(text: str) -> str:
     """--model: a sized anchor-free model name both tools know (yolov8n, yolo11s, yolov5nu, ...)."""
     if not MODEL_NAME.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected yolov8<size>, yolo11<size> or yolov5<size>u, "
+        raise argparse.ArgumentTypeError(f"{text!r}: expected yolov8<size>, yolo11<size>, yolo26<size> or yolov5<size>u, "
                                          "size one of n s m l x (e.g. yolov8n, yolo11n, yolov5nu)")
     return text
 

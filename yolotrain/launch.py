@@ -13,9 +13,9 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -41,15 +41,17 @@ def launch_training(argv: list[str], nproc: int) -> TrainResult:
 
 
 def _as_user_error(e: ChildFailedError) -> Exception:
-    """A rank's own message (UserError, preemption) as the exception the in-process run would raise; a crash
-    stays torch's ChildFailedError, with every rank's exit code and traceback."""
+    """A rank's own message (UserError: exit 1, preemption: exit 75; run_entry_point writes it as a bare string) as
+    the exception the in-process run would raise; a crash (torch's error record, a dict) stays torch's
+    ChildFailedError, with every rank's exit code and traceback."""
     for failure in sorted(e.failures.values(), key=lambda f: f.timestamp):
-        message = failure.message if isinstance(failure.message, str) else ""
-        kind, _, text = message.partition(": ")
-        if failure.exitcode == 1 and kind == "UserError":
-            return UserError(text)
-        if failure.exitcode == EXIT_PREEMPTED and kind == "Preempted":
-            return Preempted(text)
+        recorded = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+        if not isinstance(recorded, str) or not recorded or failure.error_file == "<N/A>":
+            continue  # no record of ours: no error file, or torch's own (a dict with the traceback)
+        if failure.exitcode == 1:
+            return UserError(recorded)
+        if failure.exitcode == EXIT_PREEMPTED:
+            return Preempted(recorded)
     return e
 
 

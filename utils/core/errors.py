@@ -56,11 +56,12 @@ def run_entry_point(main: Callable[[], object]) -> int:
 
 
 def _tell_launcher(e: Exception) -> None:
-    """torchelastic's error-file format, message only: a user error needs no traceback."""
+    """torchelastic's error-file format with the bare message (a user error needs no traceback): torchrun's
+    summary shows it, and yolotrain/launch.py raises it again (the exit code says which exception)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:
             with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": f"{type(e).__name__}: {e}", "timestamp": int(time.time())}, f)
+                json.dump({"message": str(e), "timestamp": int(time.time())}, f)
         except OSError:
             pass  # the launcher then reports the exit code alone

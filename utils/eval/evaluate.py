@@ -127,7 +127,7 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.half and device.type == "cpu"):
             preds, train_out = net(imgs)
         if criterion is not None:
-            loss += criterion([x.float() for x in train_out], batch.targets)[1]  # host targets, as in training
+            loss += criterion(raw_float(train_out), batch.targets)[1]  # host targets, as in training
         synchronize(device)
         t2 = time.perf_counter()
         dets = postprocess(preds.float(), end2end, opts.conf_thres, opts.iou_thres, max_det=opts.max_det,
@@ -154,6 +154,13 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
     shard = _Shard(records, None if loss is None else loss.cpu(), n_batches, times, timed_images, cold,
                    confusion.matrix, detections)
     return shard, batches
+
+
+def raw_float(raw):
+    """A head's raw outputs in fp32: a list of levels, or an end-to-end head's dict of branches of them."""
+    if isinstance(raw, dict):
+        return {k: raw_float(v) for k, v in raw.items()}
+    return [x.float() for x in raw]
 
 
 def synchronize(device: torch.device) -> None:
