@@ -1,27 +1,51 @@
 #!/usr/bin/env python
-"""Inference latency per image: the PyTorch checkpoint against its ONNX export in ONNX Runtime.
+"""Inference latency per image: checkpoints against each other and against their ONNX exports in ONNX Runtime.
 
     python bench/infer_speed.py --weights runs/train/exp/weights/best.pt           # 320 and 640, batch 1
     python bench/infer_speed.py --weights best.pt --imgsz 320 640 --batch-size 8 --runs 50
+    python bench/infer_speed.py --weights yolo26n.pt yolov8n.pt --end-to-end       # NMS-free head vs NMS
 
-The checkpoint is exported once, --dynamic, into a temporary folder (export.py's own writer, so
-the graph is the one users ship), then both backends run the same random batch at each size:
-``--warmup`` calls left out, then the median of ``--runs`` timed calls of the forward pass alone
-(no pre-processing, no NMS), divided by the batch size. PyTorch runs as detect.py runs a
-checkpoint on the device (BN folded; NHWC on CPU), ONNX Runtime with the same thread count
-(``--threads``, default: torch's). Needs onnx and onnxruntime (requirements-export.txt).
+Each checkpoint is exported once, --dynamic, into a temporary folder (export.py's own writer, so
+the graph is the one users ship; an end-to-end head's graph outputs its (B, max_det, 6)
+detections), then both backends run at each size. Every figure is ``--warmup`` untimed calls,
+then the median of ``--runs`` calls timed with time.perf_counter, divided by the batch size.
+
+- forward ms: the forward pass alone on a random float batch (no pre-processing, no NMS), as
+  before. PyTorch runs as detect.py runs a checkpoint (BN folded; NHWC on CPU), ONNX Runtime
+  with the same thread count (``--threads``, default: torch's).
+- end-to-end ms (``--end-to-end``): what detect.py spends per image once the image is decoded,
+  through its own pieces: ``letterbox_image`` of a decoded BGR image (``--source IMAGE``, read
+  by detect.py's decoder, else a seeded synthetic 480x640 one), the batch stacked as detect.py's
+  loader does, then ``Predictor``: to the device, float / 255 and layout, forward,
+  ``postprocess`` (NMS for a normal head; an end-to-end head's own detections selected by score,
+  no NMS: ``backend.end2end``) and ``unletterbox``. Thresholds are detect.py's defaults (conf
+  0.25, IoU 0.45, max_det 1000); an end-to-end head keeps its own top-k (max_det 300, what
+  export.py writes by default), so PyTorch and ONNX Runtime run the same head. Decoding the file
+  and writing results are left out: they depend on the file and the flags, not on the model.
+  This is the figure that shows what NMS costs a normal head against an end-to-end one.
+
+The table gives, per model, backend and size: forward and end-to-end ms per image, how many
+detections the image gave, each model's end-to-end time (forward time without --end-to-end)
+over the first --weights' (so ``--weights yolo26n.pt yolov8n.pt`` prints yolo26n/yolov8n), and
+PyTorch's forward time over this backend's. The first line names the CPU it ran on (model name
+from /proc/cpuinfo), torch's thread count and whether the CPU has native bf16
+(``dist.cpu_has_native_bf16``), since CPU latencies mean little without them. Needs onnx and
+onnxruntime (requirements-export.txt).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import platform
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,62 +55,177 @@ if str(ROOT) not in sys.path:
 from models.yolo import round_to_stride  # noqa: E402  (the repository is put on the path first)
 from utils.core import dist  # noqa: E402
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.infer.backends import OnnxBackend, TorchBackend, require  # noqa: E402
+from utils.data.images import read_image_bgr  # noqa: E402
+from utils.data.sources import letterbox_image  # noqa: E402
+from utils.infer.backends import Backend, OnnxBackend, TorchBackend, require  # noqa: E402
 from utils.infer.export import DecodedOnly, ExportOptions, write_onnx  # noqa: E402
+from utils.infer.predict import PredictOptions, Predictor  # noqa: E402
+
+SYNTHETIC_HW = (480, 640)  # a typical photo's size (VGA, landscape)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One model, backend and size: ms per image, and the detections the test image gave (end-to-end only)."""
+
+    model: str
+    backend: str
+    imgsz: int
+    head: str  # "NMS" or "e2e" (the head's own detections)
+    forward_ms: float
+    e2e_ms: float | None = None
+    dets: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--weights", required=True, help="yolotrain checkpoint")
+    p.add_argument("--weights", nargs="+", required=True,
+                   help="yolotrain checkpoints; ratios are to the first one")
     p.add_argument("--imgsz", nargs="+", type=IMGSZ, default=[320, 640], help="square input sides")
     p.add_argument("--batch-size", type=Range(int, min=1), default=1, help="images per call")
     p.add_argument("--warmup", type=Range(int, min=0), default=5, help="untimed calls first")
     p.add_argument("--runs", type=Range(int, min=1), default=30, help="timed calls (the median is reported)")
     p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--end-to-end", action="store_true",
+                   help="also time detect.py's steps per image: letterbox, pre-process, forward, NMS, unletterbox")
+    p.add_argument("--source", default=None,
+                   help=f"image for --end-to-end (default: a seeded synthetic {SYNTHETIC_HW[0]}x{SYNTHETIC_HW[1]} one)")
     return p
 
 
-def median_ms(call, x: torch.Tensor, warmup: int, runs: int) -> float:
-    """Median wall time of ``call(x)`` in ms over ``runs`` calls, after ``warmup`` untimed ones."""
+def cpu_summary() -> str:
+    """The CPU's model name (/proc/cpuinfo), torch's thread count and whether bf16 is native on it."""
+    name = platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware")):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:  # not Linux
+        pass
+    bf16 = "yes" if dist.cpu_has_native_bf16() else "no"
+    return f"CPU: {name}; {torch.get_num_threads()} torch threads; native bf16: {bf16}"
+
+
+def test_image(source: str | None) -> np.ndarray:
+    """The decoded BGR uint8 image the end-to-end figure letterboxes: ``source`` read by detect.py's
+    decoder, else a fixed synthetic one (seed 0), so every run times the same pixels."""
+    if source:
+        return read_image_bgr(source)
+    return np.random.default_rng(0).integers(0, 256, (*SYNTHETIC_HW, 3), dtype=np.uint8)
+
+
+def unique_labels(paths: list[str]) -> list[str]:
+    """Short names for the table: each file's stem, with as many parent folders as it takes to tell two
+    apart (``y26/weights/best`` and ``v8/weights/best``, not ``best`` twice)."""
+    parts = [Path(p).with_suffix("").parts for p in paths]
+    for k in range(1, max(len(q) for q in parts) + 1):
+        labels = ["/".join(q[-k:]) for q in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{i}:{p}" for i, p in enumerate(paths)]  # the same file named twice
+
+
+def median_ms(call: Callable[[], object], warmup: int, runs: int) -> float:
+    """Median wall time of ``call()`` in ms over ``runs`` calls, after ``warmup`` untimed ones."""
     with torch.no_grad():
         for _ in range(warmup):
-            call(x)
+            call()
         times = []
         for _ in range(runs):
             t0 = time.perf_counter()
-            call(x)
+            call()
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
-def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
+def export_onnx(reference: TorchBackend, size: int, batch: int, path: Path) -> OnnxBackend:
+    """The checkpoint written by export.py's writer (--dynamic, ``size`` as its nominal size) and opened as
+    detect.py opens an .onnx file; an end-to-end head's graph ends in its own detections (meta.end2end)."""
+    graph = DecodedOnly(copy.deepcopy(reference.model)).eval()
+    meta = replace(reference.meta, format="onnx", dynamic=True, imgsz=size)
+    options = ExportOptions(imgsz=size, batch=batch, dynamic=True)
+    write_onnx(graph, torch.zeros(batch, 3, size, size), path, meta, options)
+    return OnnxBackend(path, torch.device("cpu"))
+
+
+def predictor_for(backend: Backend) -> Predictor:
+    """detect.py's Predictor for ``backend`` on the CPU at detect.py's defaults (fp32; NHWC for a checkpoint)."""
+    cpu = torch.device("cpu")
+    channels_last = backend.meta.format == "pytorch" and dist.channels_last_default(None, cpu)
+    return Predictor(backend, cpu, replace(PredictOptions(), channels_last=channels_last))
+
+
+def end_to_end_call(predictor: Predictor, img: np.ndarray, size: int, batch: int) -> Callable[[], list[np.ndarray]]:
+    """One detect.py batch from a decoded image: letterboxed per image and stacked as its loader does
+    (LetterboxedImages, collate_items), then the Predictor (pre-process, forward, postprocess, unletterbox)."""
+    def call() -> list[np.ndarray]:
+        boxed = [letterbox_image(img, size) for _ in range(batch)]
+        images = torch.stack([b[0] for b in boxed])
+        return predictor(images, [b[1] for b in boxed])
+    return call
+
+
+def time_backend(label: str, name: str, predictor: Predictor, size: int, img: np.ndarray | None,
+                 opt: argparse.Namespace) -> Row:
+    """One row: the forward pass on a random batch and, when ``img`` is given, detect.py's steps on it."""
+    x = torch.rand(opt.batch_size, 3, size, size, generator=torch.Generator().manual_seed(0))
+    x = x.contiguous(memory_format=predictor.memory_format)
+    backend = predictor.backend
+    forward = median_ms(lambda: backend(x), opt.warmup, opt.runs) / opt.batch_size
+    head = "e2e" if backend.end2end else "NMS"
+    if img is None:
+        return Row(label, name, size, head, forward)
+    call = end_to_end_call(predictor, img, size, opt.batch_size)
+    e2e = median_ms(call, opt.warmup, opt.runs) / opt.batch_size
+    return Row(label, name, size, head, forward, e2e, len(call()[0]))
+
+
+def bench_model(label: str, weights: str, opt: argparse.Namespace, img: np.ndarray | None, folder: Path) -> list[Row]:
+    """Rows for one checkpoint: PyTorch and its ONNX export at every size (rounded to its stride)."""
+    reference = TorchBackend.from_checkpoint(weights, torch.device("cpu"))
+    sizes = [round_to_stride(s, reference.meta.stride) for s in opt.imgsz]
+    session = export_onnx(reference, max(sizes), opt.batch_size, folder / f"{len(list(folder.iterdir()))}.onnx")
+    backends = {"PyTorch": predictor_for(reference), "ONNX Runtime": predictor_for(session)}
+    return [time_backend(label, name, predictor, s, img, opt) for s in sizes for name, predictor in backends.items()]
+
+
+def print_table(rows: list[Row], first: str, end_to_end: bool) -> None:
+    """The table: ms per image, detections, the ratio to the first model (end-to-end time when measured,
+    else forward) at the same backend and size, and PyTorch's forward time over this backend's."""
+    key = (lambda r: r.e2e_ms) if end_to_end else (lambda r: r.forward_ms)
+    base = {(r.backend, r.imgsz): key(r) for r in rows if r.model == first}
+    pytorch = {(r.model, r.imgsz): r.forward_ms for r in rows if r.backend == "PyTorch"}
+    width = max(len("model"), *(len(r.model) for r in rows))
+    ratio = f"{'e2e' if end_to_end else 'fwd'} / {first}"
+    print(f"{'model':<{width}} {'backend':<12} {'head':<4} {'imgsz':>5} {'forward ms':>10} {'end-to-end ms':>13} "
+          f"{'dets':>5} {ratio:>{max(len(ratio), 8)}} {'PyTorch/this fwd':>16}")
+    for r in rows:
+        e2e = f"{r.e2e_ms:>13.2f}" if r.e2e_ms is not None else f"{'-':>13}"
+        dets = f"{r.dets:>5}" if r.dets is not None else f"{'-':>5}"
+        b = base.get((r.backend, r.imgsz))
+        rel = f"{key(r) / b:.2f}x" if b else "-"
+        speed = f"{pytorch[(r.model, r.imgsz)] / r.forward_ms:.2f}x"
+        print(f"{r.model:<{width}} {r.backend:<12} {r.head:<4} {r.imgsz:>5} {r.forward_ms:>10.2f} {e2e} {dets} "
+              f"{rel:>{max(len(ratio), 8)}} {speed:>16}")
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
     opt = build_parser().parse_args(argv)
     require("onnx", "exporting to ONNX")
     if opt.threads:
         torch.set_num_threads(opt.threads)
-    cpu = torch.device("cpu")
-    reference = TorchBackend.from_checkpoint(opt.weights, cpu)
-    graph = DecodedOnly(copy.deepcopy(reference.model)).eval()
-    sizes = [round_to_stride(s, reference.meta.stride) for s in opt.imgsz]
-    channels_last = dist.channels_last_default(None, cpu)
-    reference.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    rows = []
+    img = test_image(opt.source) if opt.end_to_end else None
+    labels = unique_labels(opt.weights)
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.onnx"
-        options = ExportOptions(imgsz=max(sizes), batch=opt.batch_size, dynamic=True)
-        write_onnx(graph, torch.zeros(opt.batch_size, 3, max(sizes), max(sizes)), path,
-                   replace(reference.meta, format="onnx", dynamic=True, imgsz=max(sizes)), options)
-        session = OnnxBackend(path, cpu)
-        for s in sizes:
-            x = torch.rand(opt.batch_size, 3, s, s, generator=torch.Generator().manual_seed(0))
-            xt = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-            pt = median_ms(reference, xt, opt.warmup, opt.runs) / opt.batch_size
-            ort = median_ms(session, x, opt.warmup, opt.runs) / opt.batch_size
-            rows.append((s, pt, ort))
-    print(f"{opt.weights}: batch {opt.batch_size}, {torch.get_num_threads()} threads, median of {opt.runs} runs")
-    print(f"{'imgsz':>6} {'PyTorch ms/img':>15} {'ONNX Runtime ms/img':>20} {'ratio':>7}")
-    for s, pt, ort in rows:
-        print(f"{s:>6} {pt:>15.1f} {ort:>20.1f} {pt / ort:>6.2f}x")
+        for label, weights in zip(labels, opt.weights):
+            rows += bench_model(label, weights, opt, img, Path(tmp))
+    print(cpu_summary())
+    image = "" if img is None else \
+        f"; image {img.shape[0]}x{img.shape[1]} ({opt.source or 'synthetic, seed 0'}), conf 0.25, IoU 0.45"
+    print(f"batch {opt.batch_size}, median of {opt.runs} runs after {opt.warmup} warmup, ms per image{image}")
+    print_table(rows, labels[0], opt.end_to_end)
     return rows
 
 
