@@ -10,6 +10,7 @@ the cell centre and applies a sigmoid to the class logits, giving the family-ind
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,11 +33,12 @@ class DFLDetect(Head):
     """
 
     has_anchors = False
+    MIN_REG_MAX: ClassVar[int] = 2  # bins per side; the end-to-end head also takes 1 (plain distances, no DFL)
 
     def __init__(self, nc: int, reg_max: int = 16, dw_cls: bool = False, *, ch: list[int] | tuple[int, ...]) -> None:
         super().__init__()
-        if not isinstance(reg_max, int) or isinstance(reg_max, bool) or reg_max < 2:
-            raise ValueError(f"reg_max must be an integer >= 2, got {reg_max!r}")
+        if not isinstance(reg_max, int) or isinstance(reg_max, bool) or reg_max < self.MIN_REG_MAX:
+            raise ValueError(f"reg_max must be an integer >= {self.MIN_REG_MAX}, got {reg_max!r}")
         self.nc = int(nc)
         self.nl = len(ch)
         self.reg_max = reg_max
@@ -48,7 +50,7 @@ class DFLDetect(Head):
         self.cv2 = nn.ModuleList(
             nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch)
         self.cv3 = nn.ModuleList(self._cls_branch(c, c3) for c in ch)
-        self.dfl = DFL(reg_max)
+        self.dfl: nn.Module = DFL(reg_max) if reg_max > 1 else nn.Identity()
         self._anchors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
@@ -69,14 +71,19 @@ class DFLDetect(Head):
 
         N runs over levels, then rows, then columns, like the flattened maps.
         """
+        boxes, cls = self._boxes(raw, xywh=True)
+        return torch.cat((boxes, cls.sigmoid()), 1).transpose(1, 2)
+
+    def _boxes(self, raw: list[torch.Tensor], xywh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw levels -> boxes (B, 4, N) in input pixels (xywh, or xyxy) and class logits (B, nc, N)."""
         bs = raw[0].shape[0]
         x = torch.cat([r.view(bs, self.no, -1) for r in raw], 2)  # (B, no, N)
         box, cls = x.split((4 * self.reg_max, self.nc), 1)
         points, strides = self._anchor_points([tuple(r.shape[2:]) for r in raw], x)
         lt, rb = self.dfl(box).chunk(2, 1)  # grid units
         x1y1, x2y2 = points - lt, points + rb
-        xywh = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * strides
-        return torch.cat((xywh, cls.sigmoid()), 1).transpose(1, 2)
+        boxes = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1) if xywh else (x1y1, x2y2), 1) * strides
+        return boxes, cls
 
     def anchor_points(
         self, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,

@@ -23,10 +23,8 @@ import copy
 import math
 
 import torch
-from torch import nn
 
-from models.blocks import DFL, Conv, DWConv
-from models.heads.base import Head, decode_outside_autocast
+from models.heads.base import decode_outside_autocast
 from models.heads.dfl import DFLDetect
 from models.heads.e2e_loss import E2ELoss, E2ELossGains
 from utils.core.hyp import Hyp
@@ -35,45 +33,19 @@ MAX_DET = 300  # Ultralytics' default number of end-to-end detections per image
 BOX_BIAS = 2.0  # initial box output: with reg_max 1 a distance of 2 cells per side (Ultralytics 8.4's bias)
 
 
-class E2EDetect(Head):
-    """One-to-many and one-to-one branch pairs per level; see the module docstring."""
+class E2EDetect(DFLDetect):
+    """The DFL head's branches (``cv2``, ``cv3``: one-to-many) and their one-to-one copies; see the module
+    docstring. The anchor points, strides and decoding are the DFL head's."""
 
-    has_anchors = False
-    # the anchor-point grid and its cache are the DFL head's (same points, same order)
-    anchor_points = DFLDetect.anchor_points
-    _anchor_points = DFLDetect._anchor_points
-    set_strides = DFLDetect.set_strides
+    MIN_REG_MAX = 1
 
     def __init__(self, nc: int, reg_max: int = 1, dw_cls: bool = True, *, ch: list[int] | tuple[int, ...]) -> None:
-        super().__init__()
-        if not isinstance(reg_max, int) or isinstance(reg_max, bool) or reg_max < 1:
-            raise ValueError(f"reg_max must be a positive integer, got {reg_max!r}")
-        self.nc = int(nc)
-        self.nl = len(ch)
-        self.reg_max = reg_max
-        self.no = self.nc + 4 * reg_max
-        self.dw_cls = bool(dw_cls)
+        super().__init__(nc, reg_max, dw_cls, ch=ch)
         self.max_det = MAX_DET
         self.end2end = True
         self.agnostic = False  # end-to-end top-k over anchors only: one class per box (Ultralytics' agnostic_nms)
-        self.register_buffer("stride", torch.zeros(self.nl))
-        c2 = max(16, ch[0] // 4, 4 * reg_max)  # box branch width
-        c3 = max(ch[0], min(self.nc, 100))  # class branch width
-        self.cv2 = nn.ModuleList(
-            nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch)
-        self.cv3 = nn.ModuleList(self._cls_branch(c, c3) for c in ch)
-        self.dfl: nn.Module = DFL(reg_max) if reg_max > 1 else nn.Identity()
         self.one2one_cv2 = copy.deepcopy(self.cv2)
         self.one2one_cv3 = copy.deepcopy(self.cv3)
-        self._anchors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
-        """YOLO11's depthwise class branch (YOLO26's) when ``dw_cls``, else YOLOv8's."""
-        if self.dw_cls:
-            return nn.Sequential(nn.Sequential(DWConv(c, c, 3), Conv(c, c3, 1)),
-                                 nn.Sequential(DWConv(c3, c3, 3), Conv(c3, c3, 1)),
-                                 nn.Conv2d(c3, self.nc, 1))
-        return nn.Sequential(Conv(c, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, self.nc, 1))
 
     def forward(self, xs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]] | tuple[torch.Tensor, dict]:
         one2many = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]
@@ -85,22 +57,6 @@ class E2EDetect(Head):
         if self.end2end:
             return decode_outside_autocast(self._dets, one2one), raw
         return decode_outside_autocast(self._decode, one2many), raw
-
-    def _boxes(self, raw: list[torch.Tensor], xywh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw levels -> boxes (B, 4, N) in input pixels (xywh or xyxy) and class logits (B, nc, N)."""
-        bs = raw[0].shape[0]
-        x = torch.cat([r.view(bs, self.no, -1) for r in raw], 2)
-        box, cls = x.split((4 * self.reg_max, self.nc), 1)
-        points, strides = self._anchor_points([tuple(r.shape[2:]) for r in raw], x)
-        lt, rb = self.dfl(box).chunk(2, 1)  # grid units
-        x1y1, x2y2 = points - lt, points + rb
-        boxes = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1) if xywh else (x1y1, x2y2), 1) * strides
-        return boxes, cls
-
-    def _decode(self, raw: list[torch.Tensor]) -> torch.Tensor:
-        """(B, N, 4 + nc): xywh in pixels and sigmoid scores, the form NMS and base.Head expect."""
-        boxes, cls = self._boxes(raw, xywh=True)
-        return torch.cat((boxes, cls.sigmoid()), 1).transpose(1, 2)
 
     def _dets(self, raw: list[torch.Tensor]) -> torch.Tensor:
         """(B, k, 6) end-to-end detections from the one-to-one levels, k = min(max_det, N)."""
