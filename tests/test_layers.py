@@ -17,7 +17,7 @@ ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
            "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
                            "utils.infer"},
            "data": {"utils.core", "data"}}
-CLIS = ("train", "val", "detect", "export")
+CLIS = ("train", "val", "detect", "export", "tune")
 ENTRY_POINTS = sorted((ROOT / "yolotrain").glob("*.py"))  # python -m yolotrain.X: thin CLIs like the four
 
 

@@ -1,0 +1,82 @@
+"""Hyperparameter search on Optuna (tune.py, docs/tuning.md): the storage is the only coordination between
+workers; each trial is an ordinary training run; a killed worker's trial is retried, never lost or doubled.
+
+space (the search space yaml), study (storage, pruner, the trial table's tally), worker (the trial loop and the
+objective), report (best hyp, trials.csv, pictures).
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from utils.core import dist
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER, setup_logging
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model
+from utils.engine.tune.report import write_results
+from utils.engine.tune.space import default_space, load_space
+from utils.engine.tune.study import StudySettings
+from utils.engine.tune.worker import Job, run_worker
+
+try:
+    import optuna
+except ModuleNotFoundError:
+    optuna = None
+
+OWNED = ("--project", "--name", "--exist-ok", "--resume")  # tune.py sets these for each trial
+
+
+def require_optuna() -> None:
+    if optuna is None:
+        raise UserError("tune.py needs the 'optuna' package: pip install -r requirements-tune.txt")
+
+
+def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..., Any],
+         train_parser: Callable[[], argparse.ArgumentParser]) -> Path:
+    """Run this worker's share of the study, then write the results; returns the study's folder."""
+    require_optuna()
+    info = dist.dist_info()
+    if info.world_size > 1:
+        raise UserError("tune.py runs as one process per worker (start more workers for more trials at once); "
+                        "under torchrun each rank would train trials of its own")
+    setup_logging(info.rank, info.world_size)
+    for flag in OWNED:
+        if any(a == flag or a.startswith(flag + "=") for a in train_argv):
+            raise UserError(f"tune.py: {flag} is set by tune.py for each trial (trials go to "
+                            f"--project/<study>/trial_<number>)")
+    train_opt = train_parser().parse_args(train_argv)  # train.py's checks, before the study is touched
+    folder = Path(opt.project) / opt.study
+    folder.mkdir(parents=True, exist_ok=True)
+    anchored = anchored_model(train_opt) if not (train_opt.hyp and opt.space) else None  # the family's defaults
+    base = Path(train_opt.hyp) if train_opt.hyp else DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE
+    space_file = opt.space or default_space(anchored)
+    job = Job(settings=_settings(opt, folder, train_opt.epochs), folder=folder, train_argv=_without_hyp(train_argv),
+              base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser)
+    LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
+                f"base hyp {base}, pruner {opt.pruner}")
+    study = run_worker(job)
+    for path in write_results(study, folder, base):
+        LOGGER.info(f"wrote {path}")
+    return folder
+
+
+def _settings(opt: argparse.Namespace, folder: Path, epochs: int) -> StudySettings:
+    storage = opt.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
+    return StudySettings(storage=storage, name=opt.study, trials=opt.trials, pruner=opt.pruner,
+                         startup=opt.pruner_startup, warmup=opt.pruner_warmup, epochs=epochs,
+                         heartbeat=opt.heartbeat, retries=opt.retries)
+
+
+def _without_hyp(argv: list[str]) -> list[str]:
+    """train.py's flags less --hyp (the base hyp), which each trial replaces with its own."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--hyp":
+            skip = True
+        elif not a.startswith("--hyp="):
+            out.append(a)
+    return out

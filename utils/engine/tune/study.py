@@ -1,0 +1,127 @@
+"""The study in its storage, the only thing workers share: opening it, and deciding from its trial table
+whether this worker trains another trial.
+
+Storage URLs: ``sqlite:///study.db``, ``postgresql+psycopg://user:pw@host/db``, ``mysql+pymysql://...`` (Optuna's
+RDBStorage, with a heartbeat: a trial whose worker stopped beating for the grace period is marked FAILED and
+enqueued again with the same parameters), or ``journal:path/to/study.log`` (Optuna's journal file, for a
+shared filesystem; it has no heartbeat, so a killed worker's trial stays RUNNING).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER
+
+try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
+    import optuna
+    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.trial import TrialState
+except ModuleNotFoundError:
+    optuna = None
+
+JOURNAL = "journal:"
+PRUNERS = ("median", "hyperband", "none")
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    storage: str  # URL
+    name: str
+    trials: int  # the study's total of finished (complete or pruned) trials
+    pruner: str = "median"
+    startup: int = 5  # median: complete trials before any is pruned
+    warmup: int = 0  # median: epochs of each trial never pruned
+    epochs: int = 1  # the trials' length, Hyperband's largest resource
+    heartbeat: int = 60  # seconds between a running trial's beats (RDB storages)
+    retries: int = 3  # retries of a trial whose worker died
+
+
+def open_study(s: StudySettings) -> Any:
+    """The study, created by the first worker and loaded by the others (maximizing fitness)."""
+    optuna.logging.set_verbosity(logging.WARNING)  # the worker logs its own lines
+    storage = _storage(s)
+    return optuna.create_study(storage=storage, study_name=s.name, direction="maximize", load_if_exists=True,
+                               pruner=_pruner(s))
+
+
+def _storage(s: StudySettings) -> Any:
+    if s.storage.startswith(JOURNAL):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(s.storage[len(JOURNAL):]))
+    if "://" not in s.storage:
+        raise UserError(f"--storage {s.storage!r}: give a database URL (sqlite:///study.db, "
+                        f"postgresql+psycopg://user:pw@host/db) or journal:path/to/study.log")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat, retry callback
+        try:
+            return RDBStorage(s.storage, heartbeat_interval=s.heartbeat, grace_period=2 * s.heartbeat + 1,
+                              **{_STALE_CALLBACK: RetryFailedTrialCallback(max_retry=s.retries)})
+        except (ImportError, ValueError) as e:
+            raise UserError(f"--storage {s.storage!r}: {e}") from e
+        except Exception as e:  # sqlalchemy's OperationalError and kin: a server not there, a bad password
+            raise UserError(f"--storage {s.storage!r}: cannot open it: {type(e).__name__}: {e}") from e
+
+
+# Optuna 4.9 renamed failed_trial_callback (the old name warns until its removal in 6.0)
+_STALE_CALLBACK = ("heartbeat_stale_trial_callback" if optuna and "heartbeat_stale_trial_callback" in
+                   inspect.signature(RDBStorage).parameters else "failed_trial_callback")
+
+
+def _pruner(s: StudySettings) -> Any:
+    if s.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=s.startup, n_warmup_steps=s.warmup)
+    if s.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max(s.epochs, 1))
+    return optuna.pruners.NopPruner()
+
+
+def has_heartbeat(study: Any) -> bool:
+    return isinstance(study._storage, RDBStorage) and study._storage.heartbeat_interval is not None
+
+
+def fail_stale(study: Any) -> None:
+    """Mark trials whose worker stopped beating FAILED; the retry callback enqueues each again."""
+    if has_heartbeat(study):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+
+@dataclass(frozen=True)
+class Tally:
+    finished: int  # complete + pruned
+    running: int
+    failed: int
+
+
+def tally(study: Any) -> Tally:
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    return Tally(finished=sum(s in (TrialState.COMPLETE, TrialState.PRUNED) for s in states),
+                 running=sum(s is TrialState.RUNNING for s in states),
+                 failed=sum(s is TrialState.FAIL for s in states))
+
+
+def surplus(study: Any, number: int, total: int) -> bool:
+    """Whether trial ``number`` is one too many: more than ``total`` trials that finished or run have a number up
+    to it. Trial numbers are handed out by the storage one by one, so when workers race for the last place, the
+    lower number wins and every worker agrees."""
+    alive = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    return sum(t.state in alive and t.number <= number for t in study.get_trials(deepcopy=False)) > total
+
+
+def retried_from(trial: Any) -> int | None:
+    """The number of the failed trial that this one retries (None for a fresh trial)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RetryFailedTrialCallback.retried_trial_number(trial)
+
+
+def log_tally(study: Any, total: int) -> None:
+    n = tally(study)
+    LOGGER.info(f"study '{study.study_name}': {n.finished}/{total} finished, {n.running} running, {n.failed} failed")
