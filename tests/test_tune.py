@@ -1,0 +1,174 @@
+"""tune.py on a real Optuna study in SQLite: trials are ordinary training runs, workers share the study through
+its storage alone, a killed worker's trial is FAILED and retried, a hopeless trial is PRUNED, and the search
+space yaml is validated like a hyp file. Trials are tiny (16 images, 64 px, 2 epochs)."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, ROOT, run_env
+from utils.core.errors import UserError
+from utils.core.hyp import load_hyp
+from utils.engine.tune.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
+
+optuna = pytest.importorskip("optuna")
+TrialState = optuna.trial.TrialState
+
+TRAIN = ["--cfg", "models/yolov5n.yaml", "--imgsz", "64", "--epochs", "2", "--batch-size", "4", "--val-batch-size",
+         "4", "--workers", "0", "--noplots"]
+
+
+@pytest.fixture(scope="module")
+def data(tiny_data) -> Path:
+    """The tiny set generated once, before workers in parallel read it."""
+    from utils.data.config import load_data_config, prepare_dataset
+
+    prepare_dataset(load_data_config(tiny_data))
+    return tiny_data
+
+
+def argv(data: Path, project: Path, study: str, trials: int, *extra: str) -> list[str]:
+    return ["--data", str(data), *TRAIN, "--project", str(project), "--study", study, "--trials", str(trials),
+            "--heartbeat", "1", *extra]
+
+
+def worker(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def trials(project: Path, study: str) -> list:
+    storage = f"sqlite:///{(project / study / 'study.db').resolve()}"
+    return optuna.load_study(study_name=study, storage=storage).get_trials()
+
+
+def finished(ts: list) -> list:
+    return [t for t in ts if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+
+
+@pytest.mark.slow
+def test_one_worker_three_trials_and_results(data, tmp_path, one_thread):
+    import tune
+
+    assert tune.cli(argv(data, tmp_path, "one", 3)) == 0
+    ts = trials(tmp_path, "one")
+    assert [t.state for t in ts] == [TrialState.COMPLETE] * 3
+    folder = tmp_path / "one"
+    hyp = load_hyp(folder / "best_hyp.yaml")  # ready for --hyp
+    best = max(ts, key=lambda t: t.value)
+    assert all(getattr(hyp, k) == pytest.approx(v) for k, v in best.params.items())
+    assert set(best.params) == set(load_space(SPACE_ANCHOR))  # the anchor family's default space
+    with open(folder / "trials.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["number"] for r in rows] == ["0", "1", "2"] and {r["state"] for r in rows} == {"COMPLETE"}
+    for t in ts:  # each trial an ordinary run in its own folder, trained with its own hyp
+        run = folder / f"trial_{t.number}"
+        assert (run / "weights" / "last.pt").is_file()
+        assert load_hyp(run / "tune_hyp.yaml").lr0 == pytest.approx(t.params["lr0"])
+    assert (folder / "history.png").is_file()
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_study(data, tmp_path):
+    procs = [worker(argv(data, tmp_path, "two", 4)) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ts = trials(tmp_path, "two")
+    done = finished(ts)
+    assert len(done) == 4 and len({t.number for t in done}) == 4
+    assert all(t.user_attrs.get("surplus") for t in ts if t not in done)  # a lost race for the last place
+    folders = [t.user_attrs["run_dir"] for t in done]
+    assert len(set(folders)) == 4 and all((Path(f) / "weights" / "last.pt").is_file() for f in folders)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_killed_worker_trial_failed_and_retried(data, tmp_path):
+    args = argv(data, tmp_path, "kill", 2)
+    p = worker(args)
+    deadline = time.time() + 120
+    while not (tmp_path / "kill" / "trial_0").is_dir():
+        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:]
+        time.sleep(0.05)
+    time.sleep(0.5)  # its heartbeat is recorded; the run is building or training
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert trials(tmp_path, "kill")[0].state is TrialState.RUNNING  # killed mid-trial
+    again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    ts = trials(tmp_path, "kill")
+    assert ts[0].state is TrialState.FAIL
+    assert [t.state for t in ts[1:]] == [TrialState.COMPLETE] * 2
+    retry = [t for t in ts if optuna.storages.RetryFailedTrialCallback.retried_trial_number(t) == 0]
+    assert len(retry) == 1 and retry[0].params == ts[0].params and retry[0].state is TrialState.COMPLETE
+
+
+@pytest.mark.slow
+def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
+    """An earlier search's trial (added through Optuna's API) scored 0.9 at every epoch; a 2-epoch tiny trial
+    scores far less at its first epoch, so the median pruner stops it there."""
+    import tune
+
+    space = tmp_path / "space.yaml"
+    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
+    storage = f"sqlite:///{tmp_path / 'prune.db'}"
+    study = optuna.create_study(study_name="prune", storage=storage, direction="maximize")
+    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
+    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
+                                              intermediate_values={0: 0.9, 1: 0.9}))
+    code = tune.cli(["--data", str(data), *TRAIN, "--project", str(tmp_path), "--study", "prune", "--trials", "2",
+                     "--storage", storage, "--space", str(space), "--pruner", "median", "--pruner-startup", "1"])
+    assert code == 0
+    ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
+    assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert list(ts[1].intermediate_values) == [0]  # stopped after its first epoch
+    assert load_hyp(tmp_path / "prune" / "best_hyp.yaml").lr0 == pytest.approx(0.01)
+
+
+def test_default_spaces_load():
+    assert {"lr0", "obj", "box", "cls", "mosaic"} <= set(load_space(SPACE_ANCHOR))
+    assert {"lr0", "dfl", "box", "cls", "mosaic"} <= set(load_space(SPACE_ANCHOR_FREE))
+    assert load_space(SPACE_ANCHOR)["lr0"].log and not load_space(SPACE_ANCHOR)["momentum"].log
+
+
+@pytest.mark.parametrize("text, words", [
+    ("lr00: {low: 0.001, high: 0.1}\n", ["unknown hyperparameter 'lr00'", "Did you mean 'lr0'?"]),
+    ("lr0: {low: 0.1, high: 0.01}\n", ["'lr0' needs low < high"]),
+    ("lr0: {low: 0.0, high: 0.1, log: true}\n", ["'lr0' is log-scaled"]),
+    ("lr0: {low: 0.001}\n", ["'lr0' needs high"]),
+    ("lr0: {low: 0.001, hihg: 0.1}\n", ["unknown field 'hihg'", "Did you mean 'high'?"]),
+    ("lr0: [0.001, 0.1]\n", ["'lr0' must be a mapping"]),
+    ("lr0: {low: 0.001, high: .inf}\n", ["'lr0' high must be a finite number"]),
+    ("lr0: {low: 0.001, high: 0.1, log: yes please}\n", ["'lr0' log must be true or false"]),
+    ("anchors: {low: 2, high: 5}\n", ["unknown hyperparameter 'anchors'"]),
+    ("{}\n", ["the search space is empty"]),
+])
+def test_space_refusals_name_file_and_key(tmp_path, text, words):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_space(path)
+    assert str(path) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_missing_optuna_is_one_line(data, tmp_path):
+    code = "import sys; sys.modules['optuna'] = None; import tune; sys.exit(tune.cli(sys.argv[1:]))"
+    p = subprocess.run([PYTHON, "-c", code, "--data", str(data), "--project", str(tmp_path)], cwd=ROOT,
+                       env=run_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert lines == ["ERROR: tune.py needs the 'optuna' package: pip install -r requirements-tune.txt"]
+
+
+def test_flags_tune_sets_itself_are_refused(data, tmp_path):
+    import tune
+
+    with pytest.raises(UserError, match="--name is set by tune.py"):
+        tune.main(*tune.parse_opt(["--data", str(data), "--project", str(tmp_path), "--name", "x"]))
