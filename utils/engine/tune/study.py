@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +20,17 @@ from utils.core.logging import LOGGER
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage
     from optuna.trial import TrialState
+    try:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback  # Optuna >= 4.9
+    except ImportError:
+        from optuna.storages import RetryFailedTrialCallback as RetryCallback
 except ModuleNotFoundError:
     optuna = None
 
 JOURNAL = "journal:"
+RETRY_OF = "retry_of"  # user attribute of a preempted trial's retry: the preempted trial's number
 PRUNERS = ("median", "hyperband", "none")
 
 
@@ -57,18 +63,26 @@ def _storage(s: StudySettings) -> Any:
     if "://" not in s.storage:
         raise UserError(f"--storage {s.storage!r}: give a database URL (sqlite:///study.db, "
                         f"postgresql+psycopg://user:pw@host/db) or journal:path/to/study.log")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat, retry callback
+    for attempt in range(3):
         try:
-            return RDBStorage(s.storage, heartbeat_interval=s.heartbeat, grace_period=2 * s.heartbeat + 1,
-                              **{_STALE_CALLBACK: RetryFailedTrialCallback(max_retry=s.retries)})
+            return _rdb_storage(s)
         except (ImportError, ValueError) as e:
             raise UserError(f"--storage {s.storage!r}: {e}") from e
         except Exception as e:  # sqlalchemy's OperationalError and kin: a server not there, a bad password
+            if attempt < 2:  # or workers started together, both creating the tables: the second try finds them
+                time.sleep(1 + attempt)
+                continue
             raise UserError(f"--storage {s.storage!r}: cannot open it: {type(e).__name__}: {e}") from e
 
 
-# Optuna 4.9 renamed failed_trial_callback (the old name warns until its removal in 6.0)
+def _rdb_storage(s: StudySettings) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat, retry callback
+        return RDBStorage(s.storage, heartbeat_interval=s.heartbeat, grace_period=2 * s.heartbeat + 1,
+                          **{_STALE_CALLBACK: RetryCallback(max_retry=s.retries)})
+
+
+# Optuna 4.9 renamed failed_trial_callback and RetryFailedTrialCallback (the old names warn until 6.0)
 _STALE_CALLBACK = ("heartbeat_stale_trial_callback" if optuna and "heartbeat_stale_trial_callback" in
                    inspect.signature(RDBStorage).parameters else "failed_trial_callback")
 
@@ -81,16 +95,16 @@ def _pruner(s: StudySettings) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def has_heartbeat(study: Any) -> bool:
-    return isinstance(study._storage, RDBStorage) and study._storage.heartbeat_interval is not None
+def has_heartbeat(s: StudySettings) -> bool:
+    """Database storages beat; a journal file does not."""
+    return not s.storage.startswith(JOURNAL)
 
 
 def fail_stale(study: Any) -> None:
     """Mark trials whose worker stopped beating FAILED; the retry callback enqueues each again."""
-    if has_heartbeat(study):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)  # nothing where the storage has no heartbeat
 
 
 @dataclass(frozen=True)
@@ -116,10 +130,12 @@ def surplus(study: Any, number: int, total: int) -> bool:
 
 
 def retried_from(trial: Any) -> int | None:
-    """The number of the failed trial that this one retries (None for a fresh trial)."""
+    """The number of the failed trial that this one retries: a dead worker's (the heartbeat's retry) or a
+    preempted one's; None for a fresh trial."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RetryFailedTrialCallback.retried_trial_number(trial)
+        dead = RetryCallback.retried_trial_number(trial)
+    return dead if dead is not None else trial.user_attrs.get(RETRY_OF)
 
 
 def log_tally(study: Any, total: int) -> None:

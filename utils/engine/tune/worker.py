@@ -18,11 +18,12 @@ from typing import Any
 import yaml
 
 from utils.core.callbacks import CallbackError, Callbacks
+from utils.core.errors import Preempted
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
 from utils.engine.tune.space import Bounds, suggest
-from utils.engine.tune.study import StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
+from utils.engine.tune.study import RETRY_OF, StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
     retried_from, surplus, tally
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
@@ -61,7 +62,7 @@ def run_worker(job: Job) -> Any:
         if n.finished >= total:
             break
         if n.finished + n.running >= total:  # the rest are running elsewhere: wait, one may die and be retried
-            if not has_heartbeat(study):
+            if not has_heartbeat(job.settings):
                 LOGGER.info("the study's remaining trials run on other workers; this worker is done")
                 break
             if not waiting:
@@ -98,6 +99,9 @@ def objective(job: Job, study: Any, trial: Any) -> float:
     except CallbackError as e:
         if optuna is not None and isinstance(e.__cause__, optuna.TrialPruned):
             raise e.__cause__ from None  # the pruner's decision, not an error: the trial ends PRUNED
+        raise
+    except Preempted:  # SIGTERM / SIGUSR1: this trial ends FAILED, its parameters wait for the next worker
+        study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number})
         raise
     return float(result.metrics.get("fitness", best.value))
 
