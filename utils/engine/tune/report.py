@@ -2,6 +2,7 @@
 ``train.py --hyp``), a CSV of every trial, and Optuna's matplotlib pictures of the search."""
 from __future__ import annotations
 
+import csv
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import yaml
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
+from utils.engine.tune.study import retried_from
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     import optuna
@@ -35,12 +37,27 @@ def write_results(study: Any, folder: Path, base: Path) -> list[Path]:
 
 
 def write_csv(study: Any, path: Path) -> Path:
-    """One row per trial: number, state, value, parameters, run folder, what it retried."""
-    frame = study.trials_dataframe(attrs=("number", "state", "value", "datetime_start", "datetime_complete",
-                                          "duration", "params", "user_attrs", "system_attrs"))
+    """One row per trial: number, state, fitness, times, each parameter, its run folder and what it retried."""
+    ts = study.get_trials(deepcopy=False)
+    names = sorted({k for t in ts for k in t.params})
     with atomic_write(path, "w", encoding="utf-8") as f:
-        frame.to_csv(f, index=False)
+        out = csv.writer(f, lineterminator="\n")
+        out.writerow(["number", "state", "fitness", "start", "complete", "seconds", *names, "run_dir", "retried_from",
+                      "surplus"])
+        for t in ts:
+            seconds = f"{t.duration.total_seconds():.1f}" if t.duration else ""
+            out.writerow([t.number, t.state.name, _blank(t.value), _when(t.datetime_start), _when(t.datetime_complete),
+                          seconds, *(t.params.get(k, "") for k in names), t.user_attrs.get("run_dir", ""),
+                          _blank(retried_from(t)), _blank(t.user_attrs.get("surplus"))])
     return path
+
+
+def _when(d: Any) -> str:
+    return d.isoformat(timespec="seconds") if d else ""
+
+
+def _blank(v: Any) -> Any:
+    return "" if v is None else v
 
 
 def best_hyp(study: Any, base: Path, path: Path) -> Path | None:
