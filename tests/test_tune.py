@@ -16,11 +16,12 @@ from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
 from utils.engine.tune.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
+from utils.engine.tune.study import retried_from
 
 optuna = pytest.importorskip("optuna")
 TrialState = optuna.trial.TrialState
 
-TRAIN = ["--cfg", "models/yolov5n.yaml", "--imgsz", "64", "--epochs", "2", "--batch-size", "4", "--val-batch-size",
+TRAIN = ["--cfg", "models/yolov5n.yaml", "--imgsz", "64", "--epochs", "1", "--batch-size", "4", "--val-batch-size",
          "4", "--workers", "0", "--noplots"]
 
 
@@ -67,6 +68,7 @@ def test_one_worker_three_trials_and_results(data, tmp_path, one_thread):
     with open(folder / "trials.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["number"] for r in rows] == ["0", "1", "2"] and {r["state"] for r in rows} == {"COMPLETE"}
+    assert [float(r["fitness"]) for r in rows] == pytest.approx([t.value for t in ts])
     for t in ts:  # each trial an ordinary run in its own folder, trained with its own hyp
         run = folder / f"trial_{t.number}"
         assert (run / "weights" / "last.pt").is_file()
@@ -88,7 +90,6 @@ def test_two_workers_share_one_study(data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_killed_worker_trial_failed_and_retried(data, tmp_path):
     args = argv(data, tmp_path, "kill", 2)
     p = worker(args)
@@ -106,8 +107,32 @@ def test_killed_worker_trial_failed_and_retried(data, tmp_path):
     ts = trials(tmp_path, "kill")
     assert ts[0].state is TrialState.FAIL
     assert [t.state for t in ts[1:]] == [TrialState.COMPLETE] * 2
-    retry = [t for t in ts if optuna.storages.RetryFailedTrialCallback.retried_trial_number(t) == 0]
+    retry = [t for t in ts if retried_from(t) == 0]
     assert len(retry) == 1 and retry[0].params == ts[0].params and retry[0].state is TrialState.COMPLETE
+    with open(tmp_path / "kill" / "trials.csv", newline="") as f:
+        rows = {r["number"]: r for r in csv.DictReader(f)}
+    assert rows["0"]["state"] == "FAIL" and rows[str(retry[0].number)]["retried_from"] == "0"
+
+
+@pytest.mark.slow
+def test_preempted_worker_exits_75_and_its_trial_is_enqueued_again(data, tmp_path):
+    args = argv(data, tmp_path, "term", 2)
+    p = worker(args)
+    deadline = time.time() + 120
+    while not (tmp_path / "term" / "trial_0" / "opt.yaml").is_file():  # the run is built, its stop handler on
+        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 75, out[-3000:]
+    ts = trials(tmp_path, "term")
+    assert [t.state for t in ts] == [TrialState.FAIL, TrialState.WAITING] and retried_from(ts[1]) == 0
+    again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    ts = trials(tmp_path, "term")
+    assert [t.state for t in ts] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    assert ts[1].params == ts[0].params
 
 
 @pytest.mark.slow
@@ -123,8 +148,8 @@ def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
     study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
                                               intermediate_values={0: 0.9, 1: 0.9}))
-    code = tune.cli(["--data", str(data), *TRAIN, "--project", str(tmp_path), "--study", "prune", "--trials", "2",
-                     "--storage", storage, "--space", str(space), "--pruner", "median", "--pruner-startup", "1"])
+    code = tune.cli(["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(tmp_path), "--study", "prune",
+                     "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median", "--pruner-startup", "1"])
     assert code == 0
     ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
     assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
