@@ -21,6 +21,7 @@ from utils.core.logging import LOGGER
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     import optuna
     from optuna.storages import RDBStorage
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
     from optuna.trial import TrialState
     try:
         from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback  # Optuna >= 4.9
@@ -57,8 +58,6 @@ def open_study(s: StudySettings) -> Any:
 
 def _storage(s: StudySettings) -> Any:
     if s.storage.startswith(JOURNAL):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
         return JournalStorage(JournalFileBackend(s.storage[len(JOURNAL):]))
     if "://" not in s.storage:
         raise UserError(f"--storage {s.storage!r}: give a database URL (sqlite:///study.db, "
