@@ -39,6 +39,9 @@ def _parser(cli: str) -> argparse.ArgumentParser:
     if cli == "export":
         import export
         return export.build_parser()
+    if cli == "tune":
+        import tune
+        return tune.build_parser()
     if cli == "coco":
         from utils.eval import coco
         return coco.build_parser()
@@ -74,7 +77,7 @@ def test_checker_finds_unchecked_numeric_flags():
 
 
 # ---------------------------------------------------------------- every CLI uses it
-@pytest.mark.parametrize("cli", ["train", "val", "detect", "export", "coco", *BENCH])
+@pytest.mark.parametrize("cli", ["train", "val", "detect", "export", "tune", "coco", *BENCH])
 def test_every_numeric_flag_is_range_checked(cli):
     parser = _parser(cli)
     assert isinstance(parser, ArgumentParser), f"{cli}: use utils.core.cli.ArgumentParser for one-line errors"
