@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import train
+from utils.core.callbacks import Callbacks
 from utils.core.cli import ArgumentParser, Range
 from utils.core.errors import run_entry_point
 from utils.core.fileio import ROOT
@@ -55,8 +57,9 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[s
     return build_parser().parse_known_args(argv)
 
 
-def main(opt: argparse.Namespace, train_argv: list[str]):
-    return tune(opt, train_argv, train.main, train.build_parser)
+def main(opt: argparse.Namespace, train_argv: list[str], callbacks: Callbacks | None = None) -> Path:
+    """This worker's share of the study and its results; returns the study's folder (``YOLO.tune`` calls it)."""
+    return tune(opt, train_argv, train.main, train.build_parser, callbacks)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -197,3 +197,19 @@ def test_flags_tune_sets_itself_are_refused(data, tmp_path):
 
     with pytest.raises(UserError, match="--name is set by tune.py"):
         tune.main(*tune.parse_opt(["--data", str(data), "--project", str(tmp_path), "--name", "x"]))
+
+
+@pytest.mark.slow
+def test_python_api_tune(data, tmp_path, one_thread):
+    """YOLO.tune: tune.py's options and train.py's in one call; the added callbacks hear every trial."""
+    from yolotrain import YOLO
+
+    heard = []
+    model = YOLO("yolov5n.yaml")
+    model.add_callback("on_fit_epoch_end", lambda e: heard.append(e.save_dir.name))
+    folder = model.tune(data=str(data), imgsz=64, epochs=1, batch=4, val_batch_size=4, workers=0, noplots=True,
+                        trials=2, study="api", project=str(tmp_path), heartbeat=1)
+    assert folder == tmp_path / "api" and (folder / "best_hyp.yaml").is_file()
+    assert heard == ["trial_0", "trial_1"]
+    with pytest.raises(UserError, match="unknown option 'trails'. Did you mean 'trials'?"):
+        model.tune(data=str(data), trails=2)

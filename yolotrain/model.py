@@ -16,12 +16,13 @@ import torch
 import detect as detect_cli
 import export as export_cli
 import train as train_cli
+import tune as tune_cli
 import val as val_cli
 from models.parse import MODELS_DIR, load_model_yaml
 from models.yolo import Model
 from utils.core import dist
 from utils.core.callbacks import Callbacks
-from utils.core.errors import UserError
+from utils.core.errors import UserError, did_you_mean
 from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
 from utils.engine.events import ValEvent, metric_summary
@@ -32,7 +33,7 @@ from utils.infer.predict import Predictor
 from utils.infer.save import Writer
 from utils.weights.checkpoint import load_model
 from yolotrain.launch import launch_training
-from yolotrain.options import parse, to_argv
+from yolotrain.options import ALIASES, option_flags, parse, to_argv
 from yolotrain.results import PredictEvent, Results, ValResult, as_results
 
 EXPORTED = {".onnx": "onnx", ".torchscript": "torchscript"}
@@ -85,6 +86,25 @@ class YOLO:
         self.train_result = result
         self.path, self.kind = result.best or result.last, "checkpoint"
         return result
+
+    def tune(self, **options: Any) -> Path:
+        """Search hyperparameters (tune.py, docs/tuning.md): tune.py's options (``trials=``, ``storage=``, ``study=``,
+        ``pruner=``, ``space=``, ``project=``...) and train.py's for every trial (``data=``, ``epochs=``...). Returns
+        the study's folder (best_hyp.yaml, trials.csv, pictures); added callbacks hear every trial's events."""
+        if self.kind in ("onnx", "torchscript"):
+            raise UserError(f"{self.path}: an exported model cannot be tuned; tune its checkpoint or a yaml")
+        parser, train_parser = tune_cli.build_parser(), train_cli.build_parser()
+        own, known = option_flags(parser), {**option_flags(train_parser), **option_flags(parser), **ALIASES}
+        for name in options:
+            if str(name).replace("-", "_") not in known:
+                raise UserError(f"tune: unknown option '{name}'.{did_you_mean(str(name), known)} See `python tune.py "
+                                "--help` and `python train.py --help`")
+        mine = {k: v for k, v in options.items() if str(k).replace("-", "_") in own}
+        rest = {k: v for k, v in options.items() if k not in mine}
+        opt = parse(parser, to_argv(parser, mine, "tune.py"))
+        train_argv = to_argv(train_parser, {**self._train_source(rest), **rest}, "train.py")
+        parse(train_parser, train_argv)  # train.py's refusals as a UserError, before the study is touched
+        return tune_cli.main(opt, train_argv, self.callbacks)
 
     def val(self, **options: Any) -> ValResult:
         """Score on a split with val.py's options (``data=``, ``imgsz=``, ``half=True``...)."""

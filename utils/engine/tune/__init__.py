@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.core import dist
+from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
 from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model
@@ -34,8 +35,9 @@ def require_optuna() -> None:
 
 
 def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..., Any],
-         train_parser: Callable[[], argparse.ArgumentParser]) -> Path:
-    """Run this worker's share of the study, then write the results; returns the study's folder."""
+         train_parser: Callable[[], argparse.ArgumentParser], callbacks: Callbacks | None = None) -> Path:
+    """Run this worker's share of the study, then write the results; returns the study's folder. ``callbacks``
+    (the Python API's) hear every trial's events."""
     require_optuna()
     info = dist.dist_info()
     if info.world_size > 1:
@@ -53,7 +55,8 @@ def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..
     base = Path(train_opt.hyp) if train_opt.hyp else DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE
     space_file = opt.space or default_space(anchored)
     job = Job(settings=_settings(opt, folder, train_opt.epochs), folder=folder, train_argv=_without_hyp(train_argv),
-              base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser)
+              base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser,
+              callbacks=callbacks)
     LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
                 f"base hyp {base}, pruner {opt.pruner}")
     study = run_worker(job)

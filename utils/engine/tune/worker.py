@@ -49,6 +49,7 @@ class Job:
     space: dict[str, Bounds]
     train_main: Callable[[argparse.Namespace, Callbacks], Any]  # train.main
     train_parser: Callable[[], argparse.ArgumentParser]  # train.build_parser
+    callbacks: Callbacks | None = None  # the Python API's, for every trial after the study's own
 
 
 def run_worker(job: Job) -> Any:
@@ -95,7 +96,7 @@ def objective(job: Job, study: Any, trial: Any) -> float:
     best = Reporter(trial)
     callbacks.add("on_fit_epoch_end", best)
     try:
-        result = job.train_main(opt, callbacks)
+        result = job.train_main(opt, callbacks.merged(job.callbacks))
     except CallbackError as e:
         if optuna is not None and isinstance(e.__cause__, optuna.TrialPruned):
             raise e.__cause__ from None  # the pruner's decision, not an error: the trial ends PRUNED
