@@ -38,6 +38,7 @@ from utils.engine.setup import Training, build_training
 from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.engine.track import check_packages
+from utils.engine.tune.evolve import evolve
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
+    p.add_argument("--evolve", type=Range(int, min=1), nargs="?", const=300, default=None, metavar="N",
+                   help="evolve the hyperparameters over N trials, YOLOv5's way (300 when no N): a local Optuna study "
+                        "with a genetic sampler in runs/evolve/<name>, writing evolve.csv and hyp_evolve.yaml "
+                        "(pip install -r requirements-tune.txt; docs/tuning.md)")
     add_cache_flags(p)
     add_local_rank_flag(p)
     add_stop_and_resume_flags(p)
@@ -127,6 +132,8 @@ def add_stop_and_resume_flags(p: argparse.ArgumentParser) -> None:
 
 def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainResult:
     """Train as ``opt`` says; ``callbacks`` hear the run's events on rank 0 (the Python API's add_callback)."""
+    if getattr(opt, "evolve", None):
+        raise UserError("--evolve runs from the command line (python train.py --evolve N); from Python, YOLO.tune")
     info = dist.dist_info(opt.local_rank)
     with StopRequest() as stop:  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
         setup_logging(info.rank, info.world_size)
@@ -185,7 +192,11 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
 
 @record
 def cli(argv: list[str] | None = None) -> int:
-    return run_entry_point(lambda: hand_back(main(parse_opt(argv)), dist.dist_info().is_main))
+    argv = sys.argv[1:] if argv is None else argv
+    opt = parse_opt(argv)
+    if opt.evolve:  # YOLOv5's habit: trials of this run's flags (utils/engine/tune/evolve.py)
+        return run_entry_point(lambda: evolve(opt, argv, main, build_parser))
+    return run_entry_point(lambda: hand_back(main(opt), dist.dist_info().is_main))
 
 
 if __name__ == "__main__":

@@ -213,3 +213,21 @@ def test_python_api_tune(data, tmp_path, one_thread):
     assert heard == ["trial_0", "trial_1"]
     with pytest.raises(UserError, match="unknown option 'trails'. Did you mean 'trials'?"):
         model.tune(data=str(data), trails=2)
+
+
+@pytest.mark.slow
+def test_train_evolve_writes_yolov5_files(data, tmp_path, one_thread):
+    import train
+
+    assert train.cli(["--data", str(data), *TRAIN, "--project", str(tmp_path), "--name", "ev", "--evolve", "2"]) == 0
+    folder = tmp_path / "ev"
+    lines = (folder / "evolve.csv").read_text().splitlines()
+    header = [k.strip() for k in lines[0].split(",")]
+    assert header[:4] == ["metrics/precision", "metrics/recall", "metrics/mAP_0.5", "metrics/mAP_0.5:0.95"]
+    assert header[4:7] == ["val/box_loss", "val/obj_loss", "val/cls_loss"] and "lr0" in header and len(lines) == 3
+    assert all(len(k) == 20 for k in lines[0].split(","))  # YOLOv5's %20s columns
+    text = (folder / "hyp_evolve.yaml").read_text()
+    assert text.startswith("# YOLOv5") and "# Last generation: 1" in text
+    assert load_hyp(folder / "hyp_evolve.yaml").lr0 > 0
+    study = optuna.load_study(study_name="ev", storage=f"sqlite:///{folder / 'study.db'}")
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 2

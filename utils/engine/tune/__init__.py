@@ -35,9 +35,10 @@ def require_optuna() -> None:
 
 
 def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..., Any],
-         train_parser: Callable[[], argparse.ArgumentParser], callbacks: Callbacks | None = None) -> Path:
-    """Run this worker's share of the study, then write the results; returns the study's folder. ``callbacks``
-    (the Python API's) hear every trial's events."""
+         train_parser: Callable[[], argparse.ArgumentParser], callbacks: Callbacks | None = None,
+         report: Callable[[Any, Path, Path], list[Path]] = write_results) -> Path:
+    """Run this worker's share of the study, then write the results (``report(study, folder, base hyp)``);
+    returns the study's folder. ``callbacks`` (the Python API's) hear every trial's events."""
     require_optuna()
     info = dist.dist_info()
     if info.world_size > 1:
@@ -60,7 +61,7 @@ def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..
     LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
                 f"base hyp {base}, pruner {opt.pruner}")
     study = run_worker(job)
-    for path in write_results(study, folder, base):
+    for path in report(study, folder, base):
         LOGGER.info(f"wrote {path}")
     return folder
 
@@ -69,7 +70,7 @@ def _settings(opt: argparse.Namespace, folder: Path, epochs: int) -> StudySettin
     storage = opt.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
     return StudySettings(storage=storage, name=opt.study, trials=opt.trials, pruner=opt.pruner,
                          startup=opt.pruner_startup, warmup=opt.pruner_warmup, epochs=epochs,
-                         heartbeat=opt.heartbeat, retries=opt.retries)
+                         heartbeat=opt.heartbeat, retries=opt.retries, sampler=getattr(opt, "sampler", "tpe"))
 
 
 def _without_hyp(argv: list[str]) -> list[str]:

@@ -46,14 +46,16 @@ class StudySettings:
     epochs: int = 1  # the trials' length, Hyperband's largest resource
     heartbeat: int = 60  # seconds between a running trial's beats (RDB storages)
     retries: int = 3  # retries of a trial whose worker died
+    sampler: str = "tpe"  # tpe (tune.py) or genetic (train.py --evolve: NSGA-II on one objective)
 
 
 def open_study(s: StudySettings) -> Any:
     """The study, created by the first worker and loaded by the others (maximizing fitness)."""
     optuna.logging.set_verbosity(logging.WARNING)  # the worker logs its own lines
     storage = _storage(s)
+    sampler = optuna.samplers.NSGAIISampler() if s.sampler == "genetic" else None  # None: Optuna's TPE
     return optuna.create_study(storage=storage, study_name=s.name, direction="maximize", load_if_exists=True,
-                               pruner=_pruner(s))
+                               pruner=_pruner(s), sampler=sampler)
 
 
 def _storage(s: StudySettings) -> Any:

@@ -108,7 +108,8 @@ def objective(job: Job, study: Any, trial: Any) -> float:
 
 
 class Reporter:
-    """on_fit_epoch_end: the epoch's fitness to the study; raises TrialPruned when the pruner says so."""
+    """on_fit_epoch_end: the epoch's fitness to the study, the best epoch's results.csv row as the trial's user
+    attribute 'metrics'; raises TrialPruned when the pruner says so."""
 
     def __init__(self, trial: Any) -> None:
         self.trial, self.value = trial, 0.0
@@ -116,6 +117,8 @@ class Reporter:
     def __call__(self, event: Any) -> None:
         if event.fitness is None:
             return
+        if event.is_best:
+            self.trial.set_user_attr("metrics", {k: float(v) for k, v in event.metrics.items()})
         self.value = max(self.value, float(event.fitness))
         self.trial.report(float(event.fitness), event.epoch)
         if self.trial.should_prune():
