@@ -149,7 +149,8 @@ def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
                                               intermediate_values={0: 0.9, 1: 0.9}))
     code = tune.cli(["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(tmp_path), "--study", "prune",
-                     "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median", "--pruner-startup", "1"])
+                     "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median",
+                     "--pruner-startup", "1"])
     assert code == 0
     ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
     assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
