@@ -51,7 +51,7 @@ class StudySettings:
 
 def open_study(s: StudySettings) -> Any:
     """The study, created by the first worker and loaded by the others (maximizing fitness)."""
-    optuna.logging.set_verbosity(logging.WARNING)  # the worker logs its own lines
+    optuna.logging.set_verbosity(logging.ERROR)  # the worker logs its own lines; a failed trial's error propagates
     storage = _storage(s)
     sampler = optuna.samplers.NSGAIISampler() if s.sampler == "genetic" else None  # None: Optuna's TPE
     return optuna.create_study(storage=storage, study_name=s.name, direction="maximize", load_if_exists=True,

@@ -81,6 +81,7 @@ def objective(job: Job, study: Any, trial: Any) -> float:
     """Train one trial; its fitness (0.1 mAP50 + 0.9 mAP50-95, best epoch) is the value."""
     if surplus(study, trial.number, job.settings.trials):
         trial.set_user_attr("surplus", True)
+        LOGGER.info(f"trial {trial.number}: another worker took the study's last place; given back untrained")
         raise Surplus(f"trial {trial.number}: the study holds its {job.settings.trials} trials")
     values = suggest(trial, job.space)
     folder = job.folder / f"trial_{trial.number}"
@@ -122,8 +123,9 @@ class Reporter:
         self.value = max(self.value, float(event.fitness))
         self.trial.report(float(event.fitness), event.epoch)
         if self.trial.should_prune():
-            raise optuna.TrialPruned(f"trial {self.trial.number} pruned at epoch {event.epoch}: "
-                                     f"fitness {event.fitness:.5f}")
+            why = f"trial {self.trial.number} pruned after epoch {event.epoch + 1}: fitness {event.fitness:.5f}"
+            LOGGER.info(why)
+            raise optuna.TrialPruned(why)
 
 
 def write_trial_hyp(folder: Path, base: Path, values: dict[str, float]) -> Path:
