@@ -131,12 +131,12 @@ def surplus(study: Any, number: int, total: int) -> bool:
 
 
 def retried_from(trial: Any) -> int | None:
-    """The number of the failed trial that this one retries: a dead worker's (the heartbeat's retry) or a
-    preempted one's; None for a fresh trial."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        dead = RetryCallback.retried_trial_number(trial)
-    return dead if dead is not None else trial.user_attrs.get(RETRY_OF)
+    """The number of the failed trial that this one retries, its immediate predecessor: a dead worker's (the
+    heartbeat's retry; the last of the retry history its callback records, where ``retried_trial_number`` gives
+    the first) or a preempted one's (user attribute ``retry_of``); None for a fresh trial. A heartbeat retry
+    carries its predecessor's user attributes, so its history is read first."""
+    history = trial.system_attrs.get("retry_history")
+    return history[-1] if history else trial.user_attrs.get(RETRY_OF)
 
 
 def log_tally(study: Any, total: int) -> None:
