@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
 from utils.engine.tune.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
 from utils.engine.tune.study import retried_from
+from utils.weights.checkpoint import load_checkpoint
 
 optuna = pytest.importorskip("optuna")
 TrialState = optuna.trial.TrialState
@@ -89,50 +91,100 @@ def test_two_workers_share_one_study(data, tmp_path):
     assert len(set(folders)) == 4 and all((Path(f) / "weights" / "last.pt").is_file() for f in folders)
 
 
-@pytest.mark.slow
-def test_killed_worker_trial_failed_and_retried(data, tmp_path):
-    args = argv(data, tmp_path, "kill", 2)
-    p = worker(args)
+def twin_study(data: Path, project: Path, study: str) -> list[str]:
+    """A study of two trials enqueued with the same lr0 (the only parameter), 2 epochs each: trial 0 is the one
+    disturbed, trial 1 trains undisturbed and gives the figures its retry must repeat. Returns the command."""
+    space = project / "space.yaml"
+    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
+    (project / study).mkdir(parents=True)
+    created = optuna.create_study(study_name=study, storage=f"sqlite:///{(project / study / 'study.db').resolve()}",
+                                  direction="maximize")
+    for _ in range(2):
+        created.enqueue_trial({"lr0": 0.01})
+    return [*argv(data, project, study, 2, "--space", str(space)), "--epochs", "2"]
+
+
+def wait_for(p: subprocess.Popen, path: Path) -> None:
     deadline = time.time() + 120
-    while not (tmp_path / "kill" / "trial_0").is_dir():
+    while not path.is_file():
         assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:]
-        time.sleep(0.05)
-    time.sleep(0.5)  # its heartbeat is recorded; the run is building or training
+        time.sleep(0.02)
+
+
+def rerun(args: list[str]) -> str:
+    """The same command again, to its end; its log."""
+    again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                           timeout=300)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    return out
+
+
+def assert_retry_continued(project: Path, study: str, out: str) -> None:
+    """Trial 0 FAILED; its retry (trial 2) continued its last.pt and ends as the undisturbed twin (trial 1)."""
+    assert "trial 2 (retrying trial 0)" in out and "continuing trial 0's run from its last.pt" in out, out[-3000:]
+    assert f"Resuming {project / study / 'trial_2' / 'weights' / 'last.pt'} from epoch" in out, out[-3000:]
+    ts = trials(project, study)
+    assert [t.state for t in ts] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    twin, retry = ts[1], ts[2]
+    assert retried_from(retry) == 0 and retry.params == ts[0].params == twin.params
+    assert retry.value == twin.value  # train.py's resume is exact on CPU
+    assert list(retry.intermediate_values) == list(twin.intermediate_values) == [0, 1]  # each epoch once
+    assert list(retry.intermediate_values.values()) == pytest.approx(list(twin.intermediate_values.values()),
+                                                                     rel=1e-4)  # replayed from results.csv
+    weights = [load_checkpoint(project / study / f"trial_{n}" / "weights" / "last.pt")["model"] for n in (1, 2)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    with open(project / study / "trial_2" / "results.csv", newline="") as f:
+        assert [r["epoch"] for r in csv.DictReader(f)] == ["0", "1"]
+    with open(project / study / "trials.csv", newline="") as f:
+        table = {r["number"]: r for r in csv.DictReader(f)}
+    assert table["0"]["state"] == "FAIL" and table["2"]["retried_from"] == "0"
+
+
+@pytest.mark.slow
+def test_killed_worker_trial_failed_retried_and_continued(data, tmp_path):
+    args = twin_study(data, tmp_path, "kill")
+    p = worker(args)
+    wait_for(p, tmp_path / "kill" / "trial_0" / "weights" / "last.pt")  # its first epoch saved
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert trials(tmp_path, "kill")[0].state is TrialState.RUNNING  # killed mid-trial
-    again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    ts = trials(tmp_path, "kill")
-    assert ts[0].state is TrialState.FAIL
-    assert [t.state for t in ts[1:]] == [TrialState.COMPLETE] * 2
-    retry = [t for t in ts if retried_from(t) == 0]
-    assert len(retry) == 1 and retry[0].params == ts[0].params and retry[0].state is TrialState.COMPLETE
-    with open(tmp_path / "kill" / "trials.csv", newline="") as f:
-        rows = {r["number"]: r for r in csv.DictReader(f)}
-    assert rows["0"]["state"] == "FAIL" and rows[str(retry[0].number)]["retried_from"] == "0"
+    out = rerun(args)
+    assert_retry_continued(tmp_path, "kill", out)
 
 
 @pytest.mark.slow
-def test_preempted_worker_exits_75_and_its_trial_is_enqueued_again(data, tmp_path):
-    args = argv(data, tmp_path, "term", 2)
+def test_killed_before_its_first_save_the_retry_starts_again(data, tmp_path):
+    args = argv(data, tmp_path, "kill0", 2)
     p = worker(args)
-    deadline = time.time() + 120
-    while not (tmp_path / "term" / "trial_0" / "opt.yaml").is_file():  # the run is built, its stop handler on
-        assert p.poll() is None and time.time() < deadline, p.stdout.read()[-3000:]
-        time.sleep(0.05)
+    wait_for(p, tmp_path / "kill0" / "trial_0" / "tune_hyp.yaml")
+    time.sleep(0.5)  # its heartbeat is recorded; the run is building or training
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert trials(tmp_path, "kill0")[0].state is TrialState.RUNNING  # killed mid-trial
+    assert not (tmp_path / "kill0" / "trial_0" / "weights" / "last.pt").exists()
+    out = rerun(args)
+    ts = trials(tmp_path, "kill0")
+    assert [t.state for t in ts] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
+    retry = [t for t in ts if retried_from(t) == 0]
+    assert len(retry) == 1 and retry[0].params == ts[0].params and "continuing" not in out
+
+
+@pytest.mark.slow
+def test_preempted_worker_exits_75_and_its_trial_continues(data, tmp_path):
+    args = twin_study(data, tmp_path, "term")
+    p = worker(args)
+    wait_for(p, tmp_path / "term" / "trial_0" / "opt.yaml")  # the run is built, its stop handler on
     p.send_signal(signal.SIGTERM)
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 75, out[-3000:]
+    assert (tmp_path / "term" / "trial_0" / "weights" / "last.pt").is_file()  # saved on the signal
     ts = trials(tmp_path, "term")
-    assert [t.state for t in ts] == [TrialState.FAIL, TrialState.WAITING] and retried_from(ts[1]) == 0
-    again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    ts = trials(tmp_path, "term")
-    assert [t.state for t in ts] == [TrialState.FAIL] + [TrialState.COMPLETE] * 2
-    assert ts[1].params == ts[0].params
+    assert [t.state for t in ts] == [TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]
+    assert retried_from(ts[2]) == 0
+    out = rerun(args)
+    assert_retry_continued(tmp_path, "term", out)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 workers; each trial is an ordinary training run; a killed worker's trial is retried, never lost or doubled.
 
 space (the search space yaml), study (storage, pruner, the trial table's tally), worker (the trial loop and the
-objective), report (best hyp, trials.csv, pictures).
+objective), resume (a retried trial continuing its predecessor's run), report (best hyp, trials.csv, pictures).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Each trial is an ordinary training run of the engine (train.py's ``main``, hande
 engine sits below the CLIs): its hyp file is the base hyp with the trial's values written over it, kept in
 the trial's own run folder (``<project>/<study>/trial_<number>``), and the run reports its fitness each epoch
 to the study so the pruner can stop it. Any number of workers, on any number of machines, share one study:
-its storage hands out the trials and its heartbeat retries the trial of a worker that died.
+its storage hands out the trials and its heartbeat retries the trial of a worker that died; a retry continues
+its predecessor's run from the last.pt it left (resume).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from utils.core.errors import Preempted
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
+from utils.engine.tune.resume import continue_run, replay
 from utils.engine.tune.space import Bounds, suggest
 from utils.engine.tune.study import RETRY_OF, StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
     retried_from, surplus, tally
@@ -89,12 +91,16 @@ def objective(job: Job, study: Any, trial: Any) -> float:
     hyp_file = write_trial_hyp(folder, job.base_hyp, values)
     frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
     again = retried_from(frozen)
+    saved = continue_run(job.folder / f"trial_{again}", folder) if again is not None else None
     LOGGER.info(f"trial {trial.number}" + (f" (retrying trial {again})" if again is not None else "") +
-                f": {folder}")
-    opt = job.train_parser().parse_args([*job.train_argv, "--hyp", str(hyp_file), "--project", str(job.folder),
-                                         "--name", folder.name, "--exist-ok"])
-    callbacks = Callbacks()
+                f": {folder}" + (f", continuing trial {again}'s run from its last.pt" if saved else ""))
     best = Reporter(trial)
+    if saved:  # the epochs it holds, to the pruner and the trial's best, before the run goes on
+        replay(best, saved, folder / "results.csv")
+    run = ["--resume", str(saved.path)] if saved else ["--hyp", str(hyp_file), "--project", str(job.folder),
+                                                        "--name", folder.name, "--exist-ok"]
+    opt = job.train_parser().parse_args([*job.train_argv, *run])
+    callbacks = Callbacks()
     callbacks.add("on_fit_epoch_end", best)
     try:
         result = job.train_main(opt, callbacks.merged(job.callbacks))
