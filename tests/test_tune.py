@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
 from utils.engine.tune.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
+from utils.engine.tune.resume import replay
 from utils.engine.tune.study import retried_from
+from utils.engine.tune.worker import Reporter
 from utils.weights.checkpoint import load_checkpoint
 
 optuna = pytest.importorskip("optuna")
@@ -185,6 +188,30 @@ def test_preempted_worker_exits_75_and_its_trial_continues(data, tmp_path):
     assert retried_from(ts[2]) == 0
     out = rerun(args)
     assert_retry_continued(tmp_path, "term", out)
+
+
+def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
+    """A retry's epochs taken over go to its trial from results.csv: the saved epochs only (a row written after
+    the last save is not the run's), each once; the median pruner may stop the retry there, before it trains."""
+    rows = ["epoch,metrics/mAP_0.5,metrics/mAP_0.5:0.95,train/box_loss"] + [
+        f"{e},{0.1 * (e + 1)},{0.05 * (e + 1)},1.5" for e in range(3)]
+    (tmp_path / "results.csv").write_text("\n".join(rows) + "\n")
+    saved = SimpleNamespace(epochs_done=2, args={"noval": False})
+    heard = []
+    assert replay(heard.append, saved, tmp_path / "results.csv") == 2
+    assert [e.epoch for e in heard] == [0, 1] and [e.is_best for e in heard] == [True, True]
+    assert [e.fitness for e in heard] == pytest.approx([0.055, 0.11])
+    assert heard[1].metrics == {"metrics/mAP_0.5": 0.2, "metrics/mAP_0.5:0.95": 0.1, "train/box_loss": 1.5}
+    assert replay(heard.append, SimpleNamespace(epochs_done=2, args={"noval": True}), tmp_path / "results.csv") == 2
+    assert [e.fitness for e in heard[2:]] == [None, None]  # not validated: nothing for the pruner
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
+    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
+    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
+                                              intermediate_values={0: 0.9, 1: 0.9}))
+    trial = study.ask()
+    with pytest.raises(optuna.TrialPruned, match="pruned after epoch 1"):
+        replay(Reporter(trial), saved, tmp_path / "results.csv")
+    assert study.trials[1].intermediate_values == pytest.approx({0: 0.055})
 
 
 @pytest.mark.slow
