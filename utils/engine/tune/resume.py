@@ -43,10 +43,11 @@ def saved_run(folder: Path) -> SavedRun | None:
 def continue_run(predecessor: Path, folder: Path) -> SavedRun | None:
     """Copy the predecessor's run folder into ``folder`` when its last.pt can be resumed; returns the copy's
     saved run (None: nothing to continue, ``folder`` untouched)."""
-    if predecessor.resolve() == folder.resolve() or saved_run(predecessor) is None:
+    saved = saved_run(predecessor) if predecessor.resolve() != folder.resolve() else None
+    if saved is None:
         return None
     shutil.copytree(predecessor, folder, dirs_exist_ok=True)
-    return saved_run(folder)
+    return SavedRun(folder / LAST, saved.ckpt)
 
 
 def replay(report: Callable[[Any], None], saved: SavedRun, results: Path) -> int:
