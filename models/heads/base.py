@@ -63,6 +63,9 @@ class Head(nn.Module):
 
     has_anchors: ClassVar[bool] = False
     end2end: bool = False  # eval output is final detections (B, max_det, 6), no NMS; see the module docstring
+    # eval also returns every raw output the loss reads (training's validation loss); an inference backend turns
+    # it off, so a head may skip work only the loss needs (the end-to-end head's one-to-many branch)
+    raw_for_loss: bool = True
     nc: int
     nl: int
     stride: torch.Tensor

@@ -12,7 +12,8 @@ of the anchor-free DFL head's branches over the same features.
 with no activation, as Ultralytics decodes them; ``reg_max`` > 1 keeps the DFL integral.
 
 ``forward``: training returns ``{"one2many": [...], "one2one": [...]}``, per level (B, 4 * reg_max + nc,
-H, W), box channels first. In eval it returns ``(out, raw)`` with ``raw`` that same dict and ``out``:
+H, W), box channels first. In eval it returns ``(out, raw)`` with ``raw`` that same dict (only the
+one-to-one entry when an inference backend turned ``raw_for_loss`` off: the other branch is not run) and ``out``:
 - ``end2end`` True: (B, min(max_det, N), 6) rows [x1, y1, x2, y2 (input pixels), score, class] from
   the one-to-one branch, best score first (``topk_dets``);
 - ``end2end`` False: the one-to-many branch as (B, N, 4 + nc) xywh + sigmoid scores, the DFL head's form.
@@ -48,9 +49,11 @@ class E2EDetect(DFLDetect):
         self.one2one_cv3 = copy.deepcopy(self.cv3)
 
     def forward(self, xs: list[torch.Tensor]) -> dict[str, list[torch.Tensor]] | tuple[torch.Tensor, dict]:
-        one2many = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]
         feats = [x.detach() for x in xs] if self.training else xs  # one-to-one loss stays out of the backbone
         one2one = [torch.cat((self.one2one_cv2[i](x), self.one2one_cv3[i](x)), 1) for i, x in enumerate(feats)]
+        if not self.training and self.end2end and not self.raw_for_loss:  # inference: the other branch is unused
+            return decode_outside_autocast(self._dets, one2one), {"one2one": one2one}
+        one2many = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]
         raw = {"one2many": one2many, "one2one": one2one}
         if self.training:
             return raw

@@ -149,6 +149,7 @@ class TorchBackend(Backend):
     def __init__(self, model: Model, meta: ModelMeta) -> None:
         super().__init__(meta)
         self.model = model
+        model.detect.raw_for_loss = False  # inference computes no loss: a head skips what only the loss reads
         self.configure()  # meta's end2end and max_det are the head's
 
     @classmethod
