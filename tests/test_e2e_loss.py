@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.heads.dfl_loss import DFLLoss, DFLLossGains
-from models.heads.e2e_loss import E2ELoss, E2ELossGains, prog_weights, stal_side
+from models.heads.e2e_loss import E2ELoss, prog_weights, stal_side
 from models.heads.tal import TaskAlignedAssigner, make_anchors, pad_targets
 from tests.conftest import ROOT
 from tests.test_dfl_loss import raw_preds, ref_ciou_torch
@@ -24,7 +24,7 @@ from utils.core.hyp import Hyp
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NC, STRIDES, HW = 3, (8.0, 16.0, 32.0), (64, 96)  # input (height, width): 8x12, 4x6 and 2x3 cells
-GAINS = E2ELossGains(box=7.5, cls=0.5, dfl=1.5)
+GAINS = DFLLossGains(box=7.5, cls=0.5, dfl=1.5)
 STAL = 16.0  # the second stride
 BRANCHES = {"one2many": (10, 10), "one2one": (7, 1)}  # (topk, topk2)
 
@@ -315,7 +315,7 @@ def test_with_dfl_bins_each_branch_is_the_dfl_loss():
 
 
 def test_gains_from_hyp_float32_and_autocast():
-    assert E2ELossGains.from_hyp(Hyp(box=7.5, cls=0.5, dfl=1.5)) == GAINS
+    assert DFLLossGains.from_hyp(Hyp(box=7.5, cls=0.5, dfl=1.5)) == GAINS
     gen = torch.Generator().manual_seed(6)
     targets = CASES["random"](gen, NC).float()
     preds = {k: [p.detach().float() for p in v] for k, v in e2e_preds(gen, 3).items()}

@@ -11,7 +11,7 @@ by the sum of the soft scores, so the loss does not depend on how many objects a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -98,32 +98,60 @@ class DFLLoss:
             return self._loss(preds, targets)
 
     def _loss(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        head, gains = self.head, self.gains
-        nc, reg_max = head.nc, head.reg_max
-        bs, device = preds[0].shape[0], preds[0].device
         dtype = torch.promote_types(preds[0].dtype, torch.float32)
-        shapes = [(p.shape[2], p.shape[3]) for p in preds]
-        flat = torch.cat([p.flatten(2) for p in preds], 2).to(dtype).transpose(1, 2)  # (B, A, 4 * reg_max + nc)
-        dist_logits, cls_logits = flat.split((4 * reg_max, nc), -1)
+        geo = anchor_geometry(preds, self.head.stride, targets, dtype)
+        items = branch_items(preds, geo, self.assigner, self.head, self.gains, dtype)
+        return (items.sum() * preds[0].shape[0]).reshape(1), items.detach()
 
-        stride = head.stride.to(device=device, dtype=dtype)
-        points, strides = make_anchors(shapes, stride)  # grid units
-        pred_boxes = dist2bbox(distribution_mean(dist_logits, reg_max), points)  # xyxy, grid units
-        image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
-        gt_labels, gt_boxes, gt_mask = pad_targets(targets.to(dtype=dtype), bs, image_hw)
-        assigned = self.assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides,
-                                 gt_labels, gt_boxes, gt_mask)
 
-        score_sum = assigned.scores.sum().clamp(min=1)
-        lcls = F.binary_cross_entropy_with_logits(cls_logits, assigned.scores, reduction="sum") / score_sum
+class Geometry(NamedTuple):
+    """What a batch's loss needs besides the outputs: anchors and padded GTs (shared by an end-to-end
+    head's two branches)."""
 
-        weight = assigned.scores.sum(-1)  # (B, A): the positive's soft score, 0 off the foreground
-        # Off the foreground the target is the prediction itself: finite values and gradients, times weight 0.
-        target = torch.where(assigned.fg[..., None], assigned.boxes / strides, pred_boxes.detach())
-        lbox = ((1.0 - bbox_ciou(pred_boxes, target)) * weight).sum() / score_sum
+    points: torch.Tensor  # (A, 2) anchor centres, grid units
+    strides: torch.Tensor  # (A, 1) pixels per grid unit
+    image_whwh: torch.Tensor  # (4,) input width, height, width, height in pixels
+    gt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pad_targets' labels, boxes (pixels), mask
+
+
+def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, targets: torch.Tensor,
+                    dtype: torch.dtype) -> Geometry:
+    """Anchors of the levels' shapes and the batch's GTs padded per image, on the outputs' device."""
+    device, bs = preds[0].device, preds[0].shape[0]
+    shapes = [(p.shape[2], p.shape[3]) for p in preds]
+    stride = stride.to(device=device, dtype=dtype)
+    points, strides = make_anchors(shapes, stride)  # grid units
+    image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
+    gt = pad_targets(targets.to(dtype=dtype), bs, image_hw)
+    return Geometry(points, strides, image_hw.flip(0).repeat(2), gt)
+
+
+def branch_items(preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner, head: DistributionHead,
+                 gains: DFLLossGains, dtype: torch.dtype) -> torch.Tensor:
+    """One set of output levels' gain-scaled (box, cls, dfl) losses, shape (3,), with its own assignment.
+
+    With ``reg_max`` 1 (no bins: the box channels are the distances, YOLO26) the third term is L1 on the
+    distances as fractions of the input's width (left, right) or height (top, bottom), mean over the
+    sides, in place of DFL."""
+    nc, reg_max = head.nc, head.reg_max
+    points, strides = geo.points, geo.strides
+    flat = torch.cat([p.flatten(2) for p in preds], 2).to(dtype).transpose(1, 2)  # (B, A, 4 * reg_max + nc)
+    box_out, cls_logits = flat.split((4 * reg_max, nc), -1)
+    dists = box_out if reg_max == 1 else distribution_mean(box_out, reg_max)  # grid units
+    pred_boxes = dist2bbox(dists, points)  # xyxy, grid units
+    assigned = assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides, *geo.gt)
+
+    score_sum = assigned.scores.sum().clamp(min=1)
+    lcls = F.binary_cross_entropy_with_logits(cls_logits, assigned.scores, reduction="sum") / score_sum
+    weight = assigned.scores.sum(-1)  # (B, A): the positive's soft score, 0 off the foreground
+    # Off the foreground the target is the prediction itself: finite values and gradients, times weight 0.
+    target = torch.where(assigned.fg[..., None], assigned.boxes / strides, pred_boxes.detach())
+    lbox = ((1.0 - bbox_ciou(pred_boxes, target)) * weight).sum() / score_sum
+    if reg_max == 1:
+        scale = strides / geo.image_whwh  # grid units -> fractions of the input's width / height
+        per_anchor = ((dists - bbox2dist(points, target)) * scale).abs().mean(-1)
+    else:
         target_dist = bbox2dist(points, target, reg_max - 1 - 0.01)
-        ldfl = distribution_focal_loss(dist_logits.unflatten(-1, (4, reg_max)), target_dist).mean(-1)
-        ldfl = (ldfl * weight).sum() / score_sum
-
-        items = torch.stack((lbox * gains.box, lcls * gains.cls, ldfl * gains.dfl))
-        return (items.sum() * bs).reshape(1), items.detach()
+        per_anchor = distribution_focal_loss(box_out.unflatten(-1, (4, reg_max)), target_dist).mean(-1)
+    ldist = (per_anchor * weight).sum() / score_sum
+    return torch.stack((lbox * gains.box, lcls * gains.cls, ldist * gains.dfl))

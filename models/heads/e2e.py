@@ -27,7 +27,8 @@ import torch
 
 from models.heads.base import decode_outside_autocast
 from models.heads.dfl import DFLDetect
-from models.heads.e2e_loss import E2ELoss, E2ELossGains
+from models.heads.dfl_loss import DFLLossGains
+from models.heads.e2e_loss import E2ELoss
 from utils.core.hyp import Hyp
 
 MAX_DET = 300  # Ultralytics' default number of end-to-end detections per image
@@ -67,7 +68,7 @@ class E2EDetect(DFLDetect):
         return topk_dets(boxes.transpose(1, 2), cls.sigmoid().transpose(1, 2), self.max_det, self.agnostic)
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> E2ELoss:
-        return E2ELoss(self, E2ELossGains.from_hyp(hyp))
+        return E2ELoss(self, DFLLossGains.from_hyp(hyp))
 
     def initialize_biases(self) -> None:
         """Both branch pairs start alike: class scores at sigmoid(b) = 5 / nc / cells (about 5 positive

@@ -28,15 +28,12 @@ Ultralytics logs them: they track the branch that inference uses, the same way i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-from models.heads.dfl_loss import distribution_focal_loss, distribution_mean
-from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pad_targets
-from utils.core.hyp import Hyp
+from models.heads.dfl_loss import DFLLossGains, Geometry, anchor_geometry, branch_items
+from models.heads.tal import TaskAlignedAssigner
 
 O2M_TOPK = 10  # one-to-many positives per GT
 O2O_TOPK, O2O_TOPK2 = 7, 1  # one-to-one: ranked among the top 7, narrowed to the best 1
@@ -54,20 +51,6 @@ class E2EHead(Protocol):
     nl: int
     reg_max: int
     stride: torch.Tensor
-
-
-@dataclass(frozen=True)
-class E2ELossGains:
-    """Gains used as written, as DFLLossGains (hyps/hyp.v8.yaml's 7.5 / 0.5 / 1.5 are Ultralytics' YOLO26
-    defaults too). ``dfl`` weights the L1 distance term when the head has no DFL bins (reg_max 1)."""
-
-    box: float
-    cls: float
-    dfl: float
-
-    @classmethod
-    def from_hyp(cls, hyp: Hyp) -> E2ELossGains:
-        return cls(box=hyp.box, cls=hyp.cls, dfl=hyp.dfl)
 
 
 def prog_weights(epoch: int, epochs: int, start: float = O2M_START, end: float = O2M_END) -> tuple[float, float]:
@@ -91,15 +74,6 @@ def stal_side(strides: torch.Tensor) -> float:
     return values[1] if len(values) > 1 else values[0]
 
 
-class Geometry(NamedTuple):
-    """What both branches share for one batch: anchors and padded GTs (computed once per call)."""
-
-    points: torch.Tensor  # (A, 2) anchor centres, grid units
-    strides: torch.Tensor  # (A, 1) pixels per grid unit
-    image_whwh: torch.Tensor  # (4,) input width, height, width, height in pixels
-    gt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pad_targets' labels, boxes (pixels), mask
-
-
 class E2ELoss:
     """Loss of an end-to-end head's raw training outputs against normalised targets (see the module docstring).
 
@@ -113,7 +87,7 @@ class E2ELoss:
 
     loss_names = ("box", "cls", "dfl")
 
-    def __init__(self, head: E2EHead, gains: E2ELossGains, stal: bool = True) -> None:
+    def __init__(self, head: E2EHead, gains: DFLLossGains, stal: bool = True) -> None:
         self.head, self.gains = head, gains
         side = stal_side(head.stride) if stal else 0.0
         self.one2many = TaskAlignedAssigner(topk=O2M_TOPK, min_side=side)
@@ -144,37 +118,11 @@ class E2ELoss:
         return (total * one2one[0].shape[0]).reshape(1), o2o_items.detach()
 
     def geometry(self, preds: list[torch.Tensor], targets: torch.Tensor, dtype: torch.dtype) -> Geometry:
-        """Anchors of the levels' shapes and the batch's GTs padded per image, on the outputs' device."""
-        device, bs = preds[0].device, preds[0].shape[0]
-        shapes = [(p.shape[2], p.shape[3]) for p in preds]
-        stride = self.head.stride.to(device=device, dtype=dtype)
-        points, strides = make_anchors(shapes, stride)
-        image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
-        gt = pad_targets(targets.to(dtype=dtype), bs, image_hw)
-        return Geometry(points, strides, image_hw.flip(0).repeat(2), gt)
+        """Anchors and padded GTs, computed once per call for both branches (dfl_loss.anchor_geometry)."""
+        return anchor_geometry(preds, self.head.stride, targets, dtype)
 
     def branch(self, preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner,
                dtype: torch.dtype) -> torch.Tensor:
-        """One branch's gain-scaled (box, cls, dfl-or-L1) losses, shape (3,), with its own assignment."""
-        nc, reg_max, gains = self.head.nc, self.head.reg_max, self.gains
-        points, strides = geo.points, geo.strides
-        flat = torch.cat([p.flatten(2) for p in preds], 2).to(dtype).transpose(1, 2)  # (B, A, 4 * reg_max + nc)
-        box_out, cls_logits = flat.split((4 * reg_max, nc), -1)
-        dists = box_out if reg_max == 1 else distribution_mean(box_out, reg_max)  # grid units
-        pred_boxes = dist2bbox(dists, points)
-        assigned = assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides, *geo.gt)
-
-        score_sum = assigned.scores.sum().clamp(min=1)
-        lcls = F.binary_cross_entropy_with_logits(cls_logits, assigned.scores, reduction="sum") / score_sum
-        weight = assigned.scores.sum(-1)  # (B, A): the positive's soft score, 0 off the foreground
-        # Off the foreground the target is the prediction itself: finite values and gradients, times weight 0.
-        target = torch.where(assigned.fg[..., None], assigned.boxes / strides, pred_boxes.detach())
-        lbox = ((1.0 - bbox_ciou(pred_boxes, target)) * weight).sum() / score_sum
-        if reg_max == 1:
-            scale = strides / geo.image_whwh  # grid units -> fractions of the input's width / height
-            per_anchor = ((dists - bbox2dist(points, target)) * scale).abs().mean(-1)
-        else:
-            target_dist = bbox2dist(points, target, reg_max - 1 - 0.01)
-            per_anchor = distribution_focal_loss(box_out.unflatten(-1, (4, reg_max)), target_dist).mean(-1)
-        ldist = (per_anchor * weight).sum() / score_sum
-        return torch.stack((lbox * gains.box, lcls * gains.cls, ldist * gains.dfl))
+        """One branch's gain-scaled (box, cls, dfl-or-L1) losses, shape (3,), with its own assignment
+        (the anchor-free loss's, dfl_loss.branch_items)."""
+        return branch_items(preds, geo, assigner, self.head, self.gains, dtype)
