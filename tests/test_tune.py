@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -114,6 +115,23 @@ def wait_for(p: subprocess.Popen, path: Path) -> None:
         time.sleep(0.02)
 
 
+def freeze_once_beating(p: subprocess.Popen, db: Path) -> None:
+    """Stop the worker the moment its trial's first heartbeat is in the study database: the heartbeat thread
+    records it asynchronously, so the worker is let run in millisecond steps until the row is there."""
+    deadline = time.time() + 30
+    while True:
+        p.send_signal(signal.SIGSTOP)
+        try:
+            with sqlite3.connect(db, timeout=0.1) as con:  # frozen mid-commit, it holds the lock: not yet
+                if con.execute("SELECT count(*) FROM trial_heartbeats").fetchone()[0]:
+                    return
+        except sqlite3.OperationalError:
+            pass
+        assert time.time() < deadline, "the trial never recorded a heartbeat"
+        p.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+
+
 def rerun(args: list[str]) -> str:
     """The same command again, to its end; its log."""
     again = subprocess.run([PYTHON, "tune.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
@@ -162,7 +180,7 @@ def test_killed_before_its_first_save_the_retry_starts_again(data, tmp_path):
     args = argv(data, tmp_path, "kill0", 2)
     p = worker(args)
     wait_for(p, tmp_path / "kill0" / "trial_0" / "tune_hyp.yaml")
-    time.sleep(0.5)  # its heartbeat is recorded; the run is building or training
+    freeze_once_beating(p, tmp_path / "kill0" / "study.db")  # the run is still building
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert trials(tmp_path, "kill0")[0].state is TrialState.RUNNING  # killed mid-trial
