@@ -140,6 +140,16 @@ def test_onnx_binds_io_only_for_a_cuda_provider_and_a_cuda_input(tmp_path, monke
     assert torch.equal(backend.run(x), plain)  # a CPU input keeps the host path, results unchanged
 
 
+def test_onnx_threads_sleep_between_runs(tmp_path, one_thread):
+    """ONNX Runtime's threads must not spin after a run: detect.py's letterbox, NMS and unletterbox run on
+    the same cores between runs."""
+    from utils.infer.backends import OnnxBackend
+
+    options = OnnxBackend(_onnx(tmp_path), torch.device("cpu")).session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert options.intra_op_num_threads == torch.get_num_threads()
+
+
 @pytest.mark.cuda
 def test_onnx_on_cuda_through_iobinding_equals_the_host_path(tmp_path, monkeypatch):
     ort = pytest.importorskip("onnxruntime")

@@ -234,6 +234,8 @@ class OnnxBackend(ExportedBackend):
         options.intra_op_num_threads = torch.get_num_threads()  # the rank's share of the cores (dist.set_cpu_threads)
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        # its idle threads sleep: spinning between runs takes the cores from torch's pre- and post-processing
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = ["CPUExecutionProvider"]
         if device.type == "cuda":
             if "CUDAExecutionProvider" in ort.get_available_providers():
