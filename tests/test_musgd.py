@@ -242,3 +242,30 @@ def test_channels_last_weights_step_as_contiguous_ones():
                     p.grad = p.grad.contiguous(memory_format=torch.channels_last)
             o.step()
     assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(plain.parameters(), nhwc.parameters()))
+
+
+def test_musgd_gives_the_class_branches_three_times_the_lr_and_warms_their_biases_from_the_bias_lr():
+    """Ultralytics 8.4's MuSGD recipe: the head's class branches (Head.class_branches) train at 3x the LR, in
+    groups of their own kinds; the other optimizers and a plain MuSGD model keep the three groups."""
+    from models.yolo import Model
+
+    hyp = Hyp(lr0=LR, momentum=MOMENTUM, warmup_bias_lr=0.1)
+    choice = choose_optimizer("MuSGD", hyp, nc=3, n_images=64, batch_size=16, epochs=1, anchored=False)
+    assert choice.class_lr_gain == 3.0
+    assert choose_optimizer("SGD", hyp, 3, 64, 16, 1, False).class_lr_gain == 1.0
+    model = Model("models/yolo26n.yaml", nc=3)
+    head = model.detect
+    boosted = {id(p) for m in head.class_branches() for p in m.parameters()}
+    assert boosted == {id(p) for m in (head.cv3, head.one2one_cv3) for p in m.parameters()}
+    opt = smart_optimizer(model, "MuSGD", LR, MOMENTUM, DECAY, head.class_branches(), choice.class_lr_gain)
+    kinds = [(g["kind"], g["lr"], {id(p) in boosted for p in g["params"]}) for g in opt.param_groups]
+    assert kinds == [("bias", LR, {False}), ("norm", LR, {False}), ("weight", LR, {False}),
+                     ("bias", 3 * LR, {True}), ("norm", 3 * LR, {True}), ("weight", 3 * LR, {True})]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0, DECAY, 0.0, 0.0, DECAY]
+    schedule = LRSchedule(opt, Warmup(iters=100, bias_lr=0.1, momentum0=0.8, momentum=MOMENTUM), 10, 0.01, False)
+    schedule.warmup_step(0, 0)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.0, 0.0, 0.1, 0.0, 0.0]  # biases warm down from 0.1
+    schedule.warmup_step(100, 0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([LR] * 3 + [3 * LR] * 3)
+    assert len(smart_optimizer(model, "MuSGD", LR, MOMENTUM, DECAY).param_groups) == 3  # no gain: no groups

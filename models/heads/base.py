@@ -88,5 +88,9 @@ class Head(nn.Module):
     def set_strides(self, strides: torch.Tensor) -> None:
         self.stride.copy_(strides)
 
+    def class_branches(self) -> list[nn.Module]:
+        """The convolutions that score classes, which an optimizer may give a higher LR (MuSGD's recipe)."""
+        return []
+
     def initialize_biases(self) -> None:
         """Class (and objectness) priors for a fresh model; a head without priors does nothing."""

@@ -119,6 +119,9 @@ class DFLDetect(Head):
         self.stride.copy_(strides)
         self._anchors.clear()
 
+    def class_branches(self) -> list[nn.Module]:
+        return [self.cv3]
+
     def initialize_biases(self) -> None:
         """Class scores start at sigmoid(b) = 5 / nc / cells: about 5 positive class scores per 640 image
         and level, so the early loss is not swamped by confident false positives. The box bias is

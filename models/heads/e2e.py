@@ -24,6 +24,7 @@ import copy
 import math
 
 import torch
+import torch.nn as nn
 
 from models.heads.base import decode_outside_autocast
 from models.heads.dfl import DFLDetect
@@ -66,6 +67,9 @@ class E2EDetect(DFLDetect):
         """(B, k, 6) end-to-end detections from the one-to-one levels, k = min(max_det, N)."""
         boxes, cls = self._boxes(raw, xywh=False)
         return topk_dets(boxes.transpose(1, 2), cls.sigmoid().transpose(1, 2), self.max_det, self.agnostic)
+
+    def class_branches(self) -> list[nn.Module]:
+        return [self.cv3, self.one2one_cv3]
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> E2ELoss:
         return E2ELoss(self, DFLLossGains.from_hyp(hyp))

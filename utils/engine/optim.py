@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ def accumulate_steps(batch_size: int, nominal_batch: int = NOMINAL_BATCH) -> int
 
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
+MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class OptimizerChoice:
     warmup_bias_lr: float
     reason: str
     nominal_batch: int = NOMINAL_BATCH  # images per optimizer step (accumulated); runs saved before it: 64
+    class_lr_gain: float = 1.0  # LR multiplier on the head's class branches (Head.class_branches)
 
 
 def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: int, epochs: int,
@@ -55,10 +57,12 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
       Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the
       nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers).
 
-    A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written, and 64.
+    A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written, and 64; MuSGD
+    also gives the head's class branches MUSGD_CLASS_LR_GAIN times the LR.
     """
     if requested != "auto":
-        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested")
+        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
+                               class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
     if anchored:
         return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
                                "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
@@ -74,38 +78,51 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,
-                    decay: float = 1e-5) -> torch.optim.Optimizer:
+                    decay: float = 1e-5, boosted: Sequence[nn.Module] = (), gain: float = 1.0) -> torch.optim.Optimizer:
     """Three parameter groups, in this order: biases (no decay), norm weights (no decay), other
-    weights (decay). Decay on BatchNorm scales or biases only shrinks them for no gain in accuracy;
-    Warmup relies on group 0 being the biases.
+    weights (decay); each group's ``kind`` says which. Decay on BatchNorm scales or biases only shrinks
+    them for no gain in accuracy; warmup starts the bias groups from their own LR. With ``gain`` != 1 the
+    parameters of the ``boosted`` modules get three more groups of the same kinds at ``gain`` x ``lr``.
     """
-    groups: tuple[list, list, list] = ([], [], [])
-    norms = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
-    for module in model.modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if pname == "bias":
-                groups[2].append(p)
-            elif pname == "weight" and isinstance(module, norms):
-                groups[0].append(p)
-            else:
-                groups[1].append(p)
+    fast = {id(p) for m in boosted for p in m.parameters()} if gain != 1 else set()
+    groups = [_kind_groups(model, lambda p: id(p) not in fast)]
+    if fast:
+        groups.append(_kind_groups(model, lambda p: id(p) in fast))
+    first = groups[0]["bias"]
     # Adam(W)'s fused kernel does the whole step in one pass per tensor: several times faster on CPU than the
     # per-tensor loop, which counts once a short run steps every batch
     if name == "Adam":
-        opt = torch.optim.Adam(groups[2], lr=lr, betas=(momentum, 0.999), fused=True)
+        opt = torch.optim.Adam(first, lr=lr, betas=(momentum, 0.999), fused=True)
     elif name == "AdamW":
-        opt = torch.optim.AdamW(groups[2], lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=True)
+        opt = torch.optim.AdamW(first, lr=lr, betas=(momentum, 0.999), weight_decay=0.0, fused=True)
     elif name == "SGD":
-        opt = torch.optim.SGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
+        opt = torch.optim.SGD(first, lr=lr, momentum=momentum, nesterov=True)
     elif name == "MuSGD":  # Muon + SGD on the weights of 2+ dimensions (all in the decayed group), SGD elsewhere
-        opt = MuSGD(groups[2], lr=lr, momentum=momentum, nesterov=True)
+        opt = MuSGD(first, lr=lr, momentum=momentum, nesterov=True)
     else:
         raise NotImplementedError(f"optimizer {name} not implemented")
-    opt.add_param_group({"params": groups[0], "weight_decay": 0.0})
-    opt.add_param_group({"params": groups[1], "weight_decay": decay})
-    LOGGER.info(f"{name} parameter groups: {len(groups[0])} weight(decay=0.0), "
-                f"{len(groups[1])} weight(decay={decay}), {len(groups[2])} bias")
+    opt.param_groups[0]["kind"] = "bias"
+    for i, kinds in enumerate(groups):
+        scale = gain if i else 1.0
+        for kind in ("bias", "norm", "weight")[1 if i == 0 else 0:]:
+            opt.add_param_group({"params": kinds[kind], "lr": lr * scale, "kind": kind,
+                                 "weight_decay": decay if kind == "weight" else 0.0})
+    LOGGER.info(f"{name} parameter groups: {len(groups[0]['norm'])} weight(decay=0.0), "
+                f"{len(groups[0]['weight'])} weight(decay={decay}), {len(first)} bias" +
+                (f"; the class branches' {sum(map(len, groups[1].values()))} at {gain:g}x the LR" if fast else ""))
     return opt
+
+
+def _kind_groups(model: nn.Module, keep: Callable[[nn.Parameter], bool]) -> dict[str, list[nn.Parameter]]:
+    """The ``keep`` parameters by kind: biases, norm-layer weights, other weights."""
+    norms = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
+    kinds: dict[str, list[nn.Parameter]] = {"bias": [], "norm": [], "weight": []}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if keep(p):
+                kind = "bias" if pname == "bias" else "norm" if pname == "weight" and isinstance(module, norms) else "weight"
+                kinds[kind].append(p)
+    return kinds
 
 
 def lr_lambda(epochs: int, lrf: float, cos: bool = False) -> Callable[[float], float]:
@@ -153,8 +170,8 @@ class LRSchedule:
             return
         w, xi = self.warmup, [0, self.warmup.iters]
         for j, g in enumerate(self.optimizer.param_groups):
-            # param group 0 holds the biases (see smart_optimizer), which warm down from bias_lr
-            start = w.bias_lr if j == 0 else 0.0
+            # bias groups (see smart_optimizer; group 0 in an optimizer saved without kinds) warm down from bias_lr
+            start = w.bias_lr if g.get("kind", "bias" if j == 0 else "") == "bias" else 0.0
             g["lr"] = float(np.interp(ni, xi, [start, g["initial_lr"] * self.fn(epoch)]))
             if "momentum" in g:
                 g["momentum"] = float(np.interp(ni, xi, [w.momentum0, w.momentum]))

@@ -108,7 +108,8 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
         cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, anchored)
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
     decay = hyp.weight_decay * cfg.batch_size * accumulate / NOMINAL_BATCH  # the same decay per image at any step size
-    optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay)
+    optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
+                                model.detect.class_branches(), choice.class_lr_gain)
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     nb = len(train_loader)  # before any resume skip shortens the sampler
