@@ -81,3 +81,22 @@ def test_yolo26_two_ranks_stopped_and_resumed_end_as_the_undisturbed_run(tiny_da
         assert json.loads((tmp_path / name / "metrics.json").read_text())["end2end"] is True
     assert scores[0] == scores[1]
     assert (tmp_path / "v1" / "predictions.json").read_text() == (tmp_path / "v2" / "predictions.json").read_text()
+
+
+def test_yolo26_musgd_two_ranks_roll_back_a_diverged_step_and_a_time_budget_ends_cleanly(tiny_data, tmp_path):
+    """--nan-recover on the end-to-end head with MuSGD's boosted class-branch groups, two ranks: the NaN step is
+    rolled back on both and the run ends with finite weights; --time on one process ends like a normal end."""
+    nan_grad = str(ROOT / "tests" / "scripts" / "nan_grad.py")
+    common = [*ARGS[:-1], "1", "--data", str(tiny_data), "--project", str(tmp_path)]
+    p = _run([*TORCHRUN, nan_grad, "3", *common, "--name", "nan", "--optimizer", "MuSGD", "--nan-recover", "2"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out
+    assert "the class branches' " in out and "at 3x the LR" in out
+    last = torch.load(tmp_path / "nan" / "weights" / "last.pt", weights_only=True)
+    assert all(v.isfinite().all() for key in ("model", "ema") for v in last[key].values() if v.is_floating_point())
+    p = _run([sys.executable, "train.py", *ARGS, "--data", str(tiny_data), "--project", str(tmp_path), "--name",
+              "budget", "--time", "0.0001"])
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "--time 0.0001 h: 1 epochs fit" in out, out[-3000:]
+    assert (tmp_path / "budget" / "weights" / "best.pt").exists()

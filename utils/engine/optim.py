@@ -162,7 +162,9 @@ class LRSchedule:
             g["lr"] = g["initial_lr"] * self.fn(0)
 
     def values(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        """The LRs of the three base groups (bias, norm, weight): results.csv's x/lr0-2. Boosted groups
+        (smart_optimizer's ``gain``) follow them at their fixed multiple."""
+        return [g["lr"] for g in self.optimizer.param_groups[:3]]
 
     def warmup_step(self, ni: int, epoch: int) -> None:
         """Batch ``ni`` (counted from the run's start) of warmup: ramp LR and momentum, then apply the scale."""
