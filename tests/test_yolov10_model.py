@@ -135,3 +135,35 @@ def test_yolo26_keeps_its_own_loss():
     loss = Model("yolo26n.yaml", nc=NC).detect.build_criterion(Hyp(), 64)
     assert type(loss) is E2ELoss and (loss.one2one.topk, loss.one2one.topk2) == (7, 1)
 
+
+def test_ultralytics_yolov10_checkpoint_imports_exactly(tmp_path, monkeypatch, one_thread):
+    """A YOLOv10 file pickled the way Ultralytics does (stand-in classes at its paths, fp16, its yaml with
+    ``v10Detect`` and scale; see tests/test_convert.py) converts with every tensor and gives the same outputs."""
+    from tests import test_convert as tc
+    from utils.weights.checkpoint import load_checkpoint, load_model
+
+    monkeypatch.setitem(tc.UL_CLASSES, "V10Detect", "modules.head.v10Detect")
+    for name in ("SCDown", "RepVGGDW", "CIB", "C2fCIB", "PSA"):
+        monkeypatch.setitem(tc.UL_CLASSES, name, f"modules.block.{name}")
+    monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/modules/block.py",
+                        [*tc.STANDIN_MODULES["ultralytics/nn/modules/block.py"], "SCDown", "RepVGGDW", "CIB",
+                         "C2fCIB", "PSA"])
+    monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/modules/head.py", ["Detect", "Segment", "v10Detect"])
+    torch.manual_seed(0)
+    original = _randomise_bn(Model("yolov10n.yaml", nc=len(tc.NAMES)))
+    path = tmp_path / "yolov10n.pt"
+    spec = tc.make_spec(original, tc.ULTRALYTICS, "yolov10n.yaml")
+    spec["modules"][0]["attrs"]["yaml"]["head"][-1][2] = "v10Detect"
+    tc.craft([(spec, path, "")], tc.write_standins(tmp_path / "standins"), tmp_path)
+    ckpt = load_checkpoint(path)
+    assert ckpt["model_yaml"]["head"][-1][2:] == ["v10Detect", ["nc"]]
+    expected = tc.half_rounded(original)
+    assert list(ckpt["model"]) == list(expected) and any(".conv1." in k for k in expected)
+    model, _ = load_model(path, torch.device("cpu"))
+    original.load_state_dict(expected)
+    original.eval()
+    x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (ours, ours_raw), (theirs, theirs_raw) = model(x), original(x)
+    assert torch.equal(ours, theirs)
+    assert all(torch.equal(a, b) for k in ours_raw for a, b in zip(ours_raw[k], theirs_raw[k]))
