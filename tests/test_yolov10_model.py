@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.blocks import DFL
+from models.blocks import DFL, Conv
 from models.blocks_v10 import CIB, PSA, C2fCIB, RepVGGDW, SCDown
 from models.heads.e2e import E2EDetect, V10Detect, V10Loss
 from models.heads.e2e_loss import E2ELoss
@@ -66,6 +66,8 @@ def test_architecture_matches_yolov10(s_model):
     assert isinstance(head, E2EDetect) and not head.has_anchors
     assert (head.nc, head.nl, head.reg_max, head.max_det, head.end2end, head.dw_cls) == (NC, 3, 16, 300, True, True)
     assert isinstance(head.dfl, DFL) and head.one2one_cv2[0][-1].out_channels == 64
+    dw = head.one2one_cv3[0][0][0]  # v10Detect's depthwise 3x3: a Conv with groups = channels, not a DWConv
+    assert type(dw) is Conv and dw.conv.groups == dw.conv.in_channels == head.one2one_cv3[0][0][1].conv.in_channels
     assert isinstance(s_model.model[5], SCDown) and s_model.model[5].cv2.conv.groups == s_model.model[5].cv2.conv.in_channels
     assert isinstance(s_model.model[10], PSA)
     for i in (8, 22):
