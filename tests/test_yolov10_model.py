@@ -151,12 +151,18 @@ def test_ultralytics_yolov10_checkpoint_imports_exactly(tmp_path, monkeypatch, o
                         [*tc.STANDIN_MODULES["ultralytics/nn/modules/block.py"], "SCDown", "RepVGGDW", "CIB",
                          "C2fCIB", "PSA"])
     monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/modules/head.py", ["Detect", "Segment", "v10Detect"])
+    monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/tasks.py", ["DetectionModel", "YOLOv10DetectionModel"])
     torch.manual_seed(0)
     original = _randomise_bn(Model("yolov10n.yaml", nc=len(tc.NAMES)))
-    path = tmp_path / "yolov10n.pt"
+    path, older = tmp_path / "yolov10n.pt", tmp_path / "older.pt"
     spec = tc.make_spec(original, tc.ULTRALYTICS, "yolov10n.yaml")
     spec["modules"][0]["attrs"]["yaml"]["head"][-1][2] = "v10Detect"
-    tc.craft([(spec, path, "")], tc.write_standins(tmp_path / "standins"), tmp_path)
+    # files before Ultralytics 8.4 name YOLOv10DetectionModel; a size it cannot guess ('yolov10b') is scale ''
+    old_spec = copy.deepcopy(spec)
+    old_spec["modules"][0]["cls"] = "ultralytics.nn.tasks.YOLOv10DetectionModel"
+    old_spec["modules"][0]["attrs"]["yaml"]["scale"] = ""
+    tc.craft([(spec, path, ""), (old_spec, older, "")], tc.write_standins(tmp_path / "standins"), tmp_path)
+    assert load_checkpoint(older)["model_yaml"]["scale"] == "n"
     ckpt = load_checkpoint(path)
     assert ckpt["model_yaml"]["head"][-1][2:] == ["v10Detect", ["nc"]]
     expected = tc.half_rounded(original)

@@ -325,7 +325,7 @@ def _listed(keys: list[str], n: int = 6) -> str:
 
 def _our_class(fm: ForeignModel, recorded: Recorded) -> str:
     name = recorded.path.rsplit(".", 1)[-1]
-    if name in ("DetectionModel", "Model"):
+    if name in ("DetectionModel", "Model", "YOLOv10DetectionModel"):
         return "Model"
     if name == "Detect" and fm.package == ULTRALYTICS:
         return "E2EDetect" if _is_end2end(recorded) else "DFLDetect"
