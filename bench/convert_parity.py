@@ -7,6 +7,8 @@
     python bench/convert_parity.py --yolov5-python Y/bin/python --ultralytics-python U/bin/python
     python bench/convert_parity.py --models yolo26n --no-val --ultralytics-python .venv/bin/python \
         --ultralytics-pythonpath /work/ultra-pkgs   # ultralytics as plain packages beside this repo's venv
+    python bench/convert_parity.py --models yolov10n --epochs 1 --no-val --ultralytics-python .venv/bin/python \
+        --ultralytics-pythonpath /work/ultra-pkgs   # YOLOv10: the end-to-end head with DFL
 
 Nothing can be downloaded here, so each package first makes genuine checkpoints: it trains its own
 model yaml from scratch (yolov5 train --weights '', yolo train pretrained=False) on a copy of the
@@ -18,8 +20,8 @@ for every such file:
            fp32, eval) and runs a fixed random batch; we read the same file through
            utils.weights.checkpoint.load_model (the allow-listed reader, converted in memory) and run
            the same batch. Compared: the decoded predictions (YOLOv5's objectness multiplied into its
-           class scores, as ours report them; for YOLO26 both its end-to-end detections and, with
-           end2end off, its one-to-many NMS form) and the raw head outputs (both YOLO26 branches), as
+           class scores, as ours report them; for YOLO26 and YOLOv10 both the end-to-end detections and,
+           with end2end off, the one-to-many NMS form) and the raw head outputs (both branches), as
            the largest absolute difference and that divided by the largest absolute value of the
            package's output. Parity means at most --tol (default 1e-4): fp32 sums of a few thousand
            terms in another order differ by about 1e-6 of their size, so anything larger is a real
@@ -89,7 +91,8 @@ class Parity:
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", nargs="+", default=["yolov5n", "yolov8n", "yolo11n"],
-                   help="yolov5{n,s,m,l,x} (yolov5 package); yolov8?, yolo11?, yolov5?u (ultralytics package)")
+                   help="yolov5{n,s,m,l,x} (yolov5 package); yolov8?, yolo11?, yolo26?, yolov10?, yolov5?u "
+                        "(ultralytics package)")
     p.add_argument("--yolov5-python", default="/work/yolov5-venv/bin/python", help="python of the yolov5 venv")
     p.add_argument("--ultralytics-python", default="/work/ultra-venv/bin/python",
                    help="python of the ultralytics venv")
@@ -227,7 +230,7 @@ def our_outputs(file: Path, x: np.ndarray) -> tuple[dict[str, np.ndarray], Check
     if model.detect.has_anchors:  # YOLOv5: (B, N, 4 + nc), objectness already multiplied in
         return {"decoded": decoded.numpy(), **{f"raw{i}": r.numpy() for i, r in enumerate(raw)}}, card
     nbox = 4 * model.detect.reg_max
-    if isinstance(raw, dict):  # YOLO26: end-to-end dets, then the one-to-many branch's NMS form
+    if isinstance(raw, dict):  # YOLO26, YOLOv10: end-to-end dets, then the one-to-many branch's NMS form
         out = {"decoded": decoded.numpy()}
         for branch, key in (("one2many", "o2m"), ("one2one", "o2o")):
             flat = torch.cat([r.flatten(2) for r in raw[branch]], 2)

@@ -7,7 +7,7 @@ Two families of references:
   counts fused models (Conv+BN folded, so no BN parameters) and rounds (0.1M, 0.1G), so a faithful
   build lands well inside 2%. ``--models n,s`` still means these.
 - The anchor-free families (``yolov8{n..x}``, ``yolo11{n..x}``, ``yolo26{n..x}``, ``yolov5{n,s}u``: each a family
-  yaml at a scale) against exact figures measured with Ultralytics 8.4.190 on unfused models;
+  yaml at a scale; ``yolov10{n,s,m,b,l,x}``: one yaml per size) against exact figures measured with Ultralytics 8.4.190 on unfused models;
   "not given" where no reference figure was available (ours are printed, nothing is checked).
 
 GFLOPs are estimated the way ``Model.info`` does (thop, plus attention products for YOLO11's
@@ -58,6 +58,12 @@ ULTRALYTICS_AF: dict[str, Reference] = {
     "yolo26m": Reference(21.896248, 75.64, False),
     "yolo26l": Reference(26.299704, 94.16, False),
     "yolo26x": Reference(58.993368, 210.07, False),
+    "yolov10n": Reference(2.775520, 8.80, False),
+    "yolov10s": Reference(8.128272, 25.23, False),
+    "yolov10m": Reference(16.576768, 64.61, False),
+    "yolov10b": Reference(20.574384, 99.47, False),
+    "yolov10l": Reference(25.888688, 127.99, False),
+    "yolov10x": Reference(31.808960, 171.99, False),
 }
 REFERENCES: dict[str, Reference] = {**PUBLISHED_V5, **ULTRALYTICS_AF}
 

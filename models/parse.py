@@ -6,7 +6,8 @@ The yaml is parsed through an explicit registry (no eval), so a typo in a model 
 Two ways to size a model:
 - YOLOv5's: ``depth_multiple`` and ``width_multiple`` in the file (models/yolov5{n,s,m,l,x}.yaml).
 - Ultralytics' ``scales: {n: [depth, width, max_channels], s: ...}`` (models/yolov8.yaml,
-  yolo11.yaml, yolov5u.yaml: one file per family). The size is the ``scale:`` key if the yaml
+  yolo11.yaml, yolov5u.yaml: one file per family; yolov10{n,s,m,b,l,x}.yaml: one file per size, whose
+  sizes differ in more than the table). The size is the ``scale:`` key if the yaml
   has one, else the size letter in the requested file name: ``yolov8n.yaml`` means yolov8.yaml
   at scale n (the letter right after ``yolo[v]<digits>``; ``yolov5nu.yaml`` -> yolov5u.yaml, n).
   A name naming a family file with no letter (``yolov8.yaml``) and no ``scale:`` key is an error,
@@ -42,7 +43,7 @@ from utils.core.logging import LOGGER
 MODELS_DIR = Path(__file__).resolve().parent
 TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "scales", "scale", "anchors", "backbone", "head", "ch",
                   "end2end", "reg_max")
-SIZE_IN_NAME = re.compile(r"yolov?\d+([nslmx])")  # yolov8n, yolo11s, yolov5nu: the letter is the scale
+SIZE_IN_NAME = re.compile(r"yolov?\d+([nsmblx])")  # yolov8n, yolo11s, yolov5nu, yolov10b: the letter is the scale
 C3K_SCALES = ("m", "l", "x")
 UPSAMPLE_MODES = ("nearest", "bilinear", "bicubic")
 
@@ -127,7 +128,7 @@ def _bundled_names() -> list[str]:
             d = None
         scales = d.get("scales") if isinstance(d, dict) else None
         m = re.search(r"yolov?\d+", p.stem)
-        if isinstance(scales, dict) and m:
+        if isinstance(scales, dict) and m and _size_in_name(p.name) not in scales:
             names += [f"{p.stem[: m.end()]}{k}{p.stem[m.end():]}.yaml" for k in scales]
         else:
             names.append(p.name)

@@ -8,16 +8,18 @@ keys; ours name the anchor head ``Detect`` (YOLOv5) and the DFL head ``DFLDetect
 top level says ``end2end: True`` (YOLO26, Ultralytics 8.4) builds the end-to-end head from a
 ``Detect`` (or ``DFLDetect`` / ``E2EDetect``) row, so Ultralytics' yolo26.yaml reads as it is;
 ``reg_max`` at the top level sizes that head's box branch (``DFLDetect``'s too when its row omits it).
+YOLOv10's ``v10Detect`` row is always end-to-end (reg_max 16, depthwise class branch), as in Ultralytics.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from models.blocks import C2PSA, C3, SPPF, Bottleneck, C2f, C3k2, Concat, Conv, DWConv
+from models.blocks_v10 import CIB, PSA, C2fCIB, SCDown
 from models.heads.anchor import Detect
 from models.heads.base import Head
 from models.heads.dfl import DFLDetect
-from models.heads.e2e import E2EDetect
+from models.heads.e2e import E2EDetect, V10Detect
 
 MODULES: dict[str, type[nn.Module]] = {
     "Conv": Conv,
@@ -28,14 +30,20 @@ MODULES: dict[str, type[nn.Module]] = {
     "C3k2": C3k2,
     "C2PSA": C2PSA,
     "SPPF": SPPF,
+    "SCDown": SCDown,
+    "CIB": CIB,
+    "C2fCIB": C2fCIB,
+    "PSA": PSA,
     "Concat": Concat,
     "Detect": Detect,
     "DFLDetect": DFLDetect,
     "E2EDetect": E2EDetect,
+    "v10Detect": V10Detect,
     "nn.Upsample": nn.Upsample,
 }
-CHANNEL_MODULES = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, C2PSA, SPPF)  # args start with output channels
-REPEAT_INSIDE = (C3, C2f, C3k2, C2PSA)  # take `number` as their own depth argument
+CHANNEL_MODULES = (Conv, DWConv, Bottleneck, C3, C2f, C3k2, C2PSA, SPPF, SCDown, CIB, C2fCIB,
+                   PSA)  # args start with output channels
+REPEAT_INSIDE = (C3, C2f, C3k2, C2PSA, C2fCIB)  # take `number` as their own depth argument
 E2E_ROW_NAMES = ("Detect", "DFLDetect", "E2EDetect")  # head rows an `end2end: True` yaml builds as E2EDetect
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from models.blocks import Conv
+from models.blocks_v10 import RepVGGDW
 from models.heads.anchor import check_anchors_spec, plain_anchors, resample_anchors
 from models.heads.base import Head
 from models.parse import head_has_anchors, load_model_yaml, parse_model
@@ -108,10 +109,14 @@ class Model(nn.Module):
         return torch.tensor([PROBE_SIZE / o.shape[-2] for o in out], dtype=torch.float32)
 
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its conv for faster inference; returns self."""
+        """Fold every BatchNorm into its conv (and RepVGGDW's two branches into one) for faster inference;
+        returns self."""
         n = 0
-        for m in self.modules():
-            if isinstance(m, Conv) and m.bn is not None:
+        for m in list(self.modules()):  # a RepVGGDW comes before its Convs, which it fuses itself
+            if isinstance(m, RepVGGDW) and m.conv1 is not None:
+                m.fuse_bn()
+                n += 2
+            elif isinstance(m, Conv) and m.bn is not None:
                 m.fuse_bn()
                 n += 1
         LOGGER.debug(f"Fused {n} Conv+BN layers")

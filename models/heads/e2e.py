@@ -24,14 +24,17 @@ import copy
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 
+from models.blocks import Conv
 from models.heads.base import decode_outside_autocast
 from models.heads.dfl import DFLDetect
 from models.heads.dfl_loss import DFLLossGains
-from models.heads.e2e_loss import E2ELoss
+from models.heads.e2e_loss import E2EHead, E2ELoss
+from models.heads.tal import TaskAlignedAssigner
 from utils.core.hyp import Hyp
 
+V10_O2O_TOPK = 1  # YOLOv10's one-to-one assignment: each GT's single best anchor
 MAX_DET = 300  # Ultralytics' default number of end-to-end detections per image
 BOX_BIAS = 2.0  # initial box output: with reg_max 1 a distance of 2 cells per side (Ultralytics 8.4's bias)
 
@@ -81,6 +84,44 @@ class E2EDetect(DFLDetect):
             for box, cls, s in zip(boxes, classes, self.stride.tolist()):
                 box[-1].bias.data[:] = BOX_BIAS
                 cls[-1].bias.data[: self.nc] = math.log(5 / self.nc / (640 / s) ** 2)
+
+
+class V10Detect(E2EDetect):
+    """YOLOv10's head (Ultralytics' ``v10Detect``): the end-to-end head with DFL boxes (reg_max 16) and the
+    depthwise class branch, its layers and outputs E2EDetect's. Only the loss differs: ``V10Loss``,
+    the YOLOv10 paper's recipe, so a yaml row naming ``v10Detect`` trains the way the family was published."""
+
+    def __init__(self, nc: int, reg_max: int = 16, dw_cls: bool = True, *, ch: list[int] | tuple[int, ...]) -> None:
+        super().__init__(nc, reg_max, dw_cls, ch=ch)
+
+    def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
+        """The depthwise class branch with its depthwise 3x3s as ``Conv(g=c)``, as v10Detect builds them:
+        DWConv's computation, under the class name the importer matches."""
+        if not self.dw_cls:
+            return super()._cls_branch(c, c3)
+        return nn.Sequential(nn.Sequential(Conv(c, c, 3, g=c), Conv(c, c3, 1)),
+                             nn.Sequential(Conv(c3, c3, 3, g=c3), Conv(c3, c3, 1)),
+                             nn.Conv2d(c3, self.nc, 1))
+
+    def build_criterion(self, hyp: Hyp, imgsz: int) -> V10Loss:
+        return V10Loss(self, DFLLossGains.from_hyp(hyp))
+
+
+class V10Loss(E2ELoss):
+    """YOLOv10's dual assignment: one-to-many top 10 and one-to-one top 1 (same metric), the two losses
+    summed with weight 1 each at every epoch (no ProgLoss) and no STAL; boxes by CIoU + DFL.
+
+    Ultralytics kept this recipe as ``E2EDetectLoss`` (8.4 trains its v10 yamls with YOLO26's loss);
+    everything but the assigners and weights is E2ELoss's, items included (the one-to-one branch's).
+    """
+
+    def __init__(self, head: E2EHead, gains: DFLLossGains) -> None:
+        super().__init__(head, gains, stal=False)
+        self.one2one = TaskAlignedAssigner(topk=V10_O2O_TOPK)
+        self.o2m = self.o2o = 1.0
+
+    def set_progress(self, epoch: int, epochs: int) -> None:
+        """Fixed weights: nothing follows the schedule."""
 
 
 def topk_dets(boxes: torch.Tensor, scores: torch.Tensor, max_det: int, agnostic: bool = False) -> torch.Tensor:

@@ -6,7 +6,8 @@ the model's ``yaml`` and ``names`` are attributes of the recorded model, and the
 walk ``nn.Module.state_dict`` makes (parameters, persistent buffers, then children).
 
 The file's yaml is rewritten for our registry (Ultralytics' anchor-free ``Detect`` is our
-``DFLDetect``, or ``E2EDetect`` when it holds YOLO26's one-to-one branches; YOLOv5's anchors come
+``DFLDetect``, or ``E2EDetect`` when it holds YOLO26's one-to-one branches; YOLOv10's ``v10Detect`` is
+our ``v10Detect`` row, the same name, and its blocks are models/blocks_v10.py's; YOLOv5's anchors come
 from the trained ``anchors`` buffer, which autoanchor may have changed), our model is built from it, and then, module by module, the classes and the settings that
 shape the output without showing in any tensor (strides, padding, groups, BatchNorm eps, residual
 adds, attention heads) must agree, and tensor by tensor every name must exist on both sides with the
@@ -35,7 +36,7 @@ PACKAGE_TITLES = {YOLOV5: "YOLOv5", ULTRALYTICS: "Ultralytics"}
 MODEL_CLASSES = {  # recorded class path of the top-level model -> package
     "models.yolo.DetectionModel": YOLOV5, "models.yolo.Model": YOLOV5,
     "yolov5.models.yolo.DetectionModel": YOLOV5, "yolov5.models.yolo.Model": YOLOV5,
-    "ultralytics.nn.tasks.DetectionModel": ULTRALYTICS,
+    "ultralytics.nn.tasks.DetectionModel": ULTRALYTICS, "ultralytics.nn.tasks.YOLOv10DetectionModel": ULTRALYTICS,
 }
 SUPPORTED_ULTRALYTICS_MAJOR = "8"
 PRE_V6_LAYERS = ("Focus", "SPP", "BottleneckCSP")
@@ -51,12 +52,16 @@ CHECKED_ATTRS = {
     "Attention": ("num_heads", "key_dim", "head_dim", "scale"),
     "DFLDetect": ("nc", "reg_max"),
     "E2EDetect": ("nc", "reg_max"),
+    "V10Detect": ("nc", "reg_max"),
+    "CIB": ("add",),
     "SPPF": ("n", "add"),
     "Detect": ("nc", "na"),
 }
 # What a recorded module lacking the attribute behaves as: SPPF's pool count and residual add came
 # with Ultralytics 8.4 (its forward reads them with these defaults); YOLOv5's SPPF has neither.
 ATTR_DEFAULTS = {("SPPF", "n"): 3, ("SPPF", "add"): False}
+HEAD_CLASSES = ("Detect", "v10Detect")  # Ultralytics' detection heads the importer reads
+OUR_CLASSES = {"v10Detect": "V10Detect"}  # an Ultralytics class name -> ours, where they differ
 
 
 @dataclass
@@ -207,14 +212,14 @@ def our_yaml(fm: ForeignModel, archive: Archive) -> dict[str, Any]:
         value = d.pop(key, None)
         if key == "channels" and value is not None:
             d.setdefault("ch", value)
-    if "scales" in d and d.get("scale") is None:
-        m = SIZE_IN_NAME.search(Path(str(fm.yaml.get("yaml_file", ""))).stem)
-        if m is None or m.group(1) not in d["scales"]:
-            raise UserError(f"{fm.source}: its model yaml has scales but names no scale")
-        d["scale"] = m.group(1)
+    if "scales" in d and not d.get("scale"):
+        d["scale"] = _scale(fm, d["scales"])
     last = d["head"][-1] if isinstance(d.get("head"), list) and d["head"] else None
-    if not (isinstance(last, list) and len(last) == 4 and last[2] == "Detect" and isinstance(last[3], list)):
+    if not (isinstance(last, list) and len(last) == 4 and last[2] in HEAD_CLASSES and isinstance(last[3], list)):
         raise UserError(f"{fm.source}: the model's last row is not a Detect head ({last!r:.80})")
+    if last[2] == "v10Detect":  # always end-to-end, reg_max 16 and depthwise class branch (check_modules compares)
+        last[3] = [last[3][0] if last[3] else "nc"]
+        return d
     reg_max = _int(head.attr("reg_max"), 16)
     e2e = _is_end2end(head)
     if e2e:  # YOLO26: the end-to-end head; its yaml's end2end / reg_max keys are ours too
@@ -222,6 +227,17 @@ def our_yaml(fm: ForeignModel, archive: Archive) -> dict[str, Any]:
     last[2] = "E2EDetect" if e2e else "DFLDetect"
     last[3] = [last[3][0] if last[3] else "nc", reg_max, _depthwise_cls(fm, head_name)]
     return d
+
+
+def _scale(fm: ForeignModel, scales: dict) -> str:
+    """The size of a ``scales`` yaml that records none (or ''): the letter in its file name, else its only
+    size (Ultralytics reads 'yolov10b.yaml' with no letter it knows, then takes the one scale listed)."""
+    m = SIZE_IN_NAME.search(Path(str(fm.yaml.get("yaml_file", ""))).stem)
+    if m is not None and m.group(1) in scales:
+        return m.group(1)
+    if len(scales) == 1:
+        return str(next(iter(scales)))
+    raise UserError(f"{fm.source}: its model yaml has scales but names no scale")
 
 
 def _is_end2end(head: Recorded) -> bool:
@@ -240,7 +256,7 @@ def _head(fm: ForeignModel) -> tuple[str, Recorded]:
     layers = [k for k in fm.modules if k.count(".") == 1 and k.startswith("model.")]
     name = layers[-1] if layers else ""
     head = fm.modules.get(name)
-    if head is None or not head.path.endswith(".Detect"):
+    if head is None or head.path.rsplit(".", 1)[-1] not in HEAD_CLASSES:
         raise UserError(f"{fm.source}: the model's last layer is not a Detect head "
                         f"({head.path if head is not None else 'no layers'})")
     return name, head
@@ -309,11 +325,11 @@ def _listed(keys: list[str], n: int = 6) -> str:
 
 def _our_class(fm: ForeignModel, recorded: Recorded) -> str:
     name = recorded.path.rsplit(".", 1)[-1]
-    if name in ("DetectionModel", "Model"):
+    if name in ("DetectionModel", "Model", "YOLOv10DetectionModel"):
         return "Model"
     if name == "Detect" and fm.package == ULTRALYTICS:
         return "E2EDetect" if _is_end2end(recorded) else "DFLDetect"
-    return name
+    return OUR_CLASSES.get(name, name)
 
 
 def check_modules(fm: ForeignModel, model: nn.Module) -> None:

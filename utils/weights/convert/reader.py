@@ -47,9 +47,10 @@ YOLOV5_YOLO = {"DetectionModel", "Model", "Detect"}
 YOLOV5_COMMON = {"Conv", "C3", "Bottleneck", "SPPF", "Concat", "Focus", "SPP", "BottleneckCSP"}
 YOLOV5_PREFIXES = ("", "yolov5.")
 # Ultralytics 8.x: layers live in ultralytics.nn.modules.{conv,block,head} (one flat module in early 8.0 releases).
-ULTRALYTICS_TASKS = {"DetectionModel"}
+# YOLOv10DetectionModel is the model class of YOLOv10 files written before Ultralytics 8.4 (8.4: DetectionModel).
+ULTRALYTICS_TASKS = {"DetectionModel", "YOLOv10DetectionModel"}
 ULTRALYTICS_LAYERS = {"Conv", "DWConv", "Concat", "Bottleneck", "C2f", "C3", "C3k", "C3k2", "C2PSA", "PSABlock",
-                      "Attention", "SPPF", "DFL", "Detect"}
+                      "Attention", "SPPF", "DFL", "Detect", "SCDown", "RepVGGDW", "CIB", "C2fCIB", "PSA", "v10Detect"}
 ULTRALYTICS_LAYER_MODULES = ("ultralytics.nn.modules", "ultralytics.nn.modules.conv", "ultralytics.nn.modules.block",
                              "ultralytics.nn.modules.head")
 # Metadata beside the model (training arguments, YOLOv5's best_fitness array): recorded, never used.
@@ -241,8 +242,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         what = f"{module}.{name}"
         if module.startswith(FOREIGN_PACKAGES):
             raise Refused(f"{self.source}: refused: its pickle names {what}, which is not part of the detection "
-                          "models yolotrain reads (YOLOv5 v6+ and Ultralytics YOLOv8, YOLO11, YOLOv5u); "
-                          "nothing in the file was run")
+                          "models yolotrain reads (YOLOv5 v6+ and Ultralytics YOLOv8, YOLO11, YOLO26, YOLOv10, "
+                          "YOLOv5u); nothing in the file was run")
         raise Refused(f"{self.source}: refused: its pickle asks for {what}, which no YOLOv5 or Ultralytics "
                       "detection checkpoint contains (a tampered or unrelated file?); nothing in the file was run")
 
