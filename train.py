@@ -161,7 +161,7 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
     started = time.time()
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
         t = build_training(cfg, info, device, saved, started)  # data, model, loaders, anchors, optimizer, state, DDP
-        hooks = build_hooks(t, callbacks)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
+        hooks = build_hooks(t, callbacks, stop)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
     with hooks:  # the trackers close on every end: finished, preempted, failed
         return fit(t, hooks, stop, watch, started)
 

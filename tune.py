@@ -2,6 +2,7 @@
 """Search hyperparameters with Optuna: each trial is a training run, any number of workers share one study.
 
     python tune.py --data my.yaml --cfg models/yolov5s.yaml --epochs 30 --trials 100 --storage sqlite:///s.db --study s1
+    torchrun --nproc_per_node 8 tune.py ...           # one worker whose trials each train on 8 GPUs
 
 Every flag that is not tune.py's own is train.py's and is passed to each trial (--hyp gives the base hyp the
 search space's values are written over). Run the same command on more machines against one database to add

@@ -1,4 +1,5 @@
-"""When a run ends other than after --epochs: a time budget (--time) and NaN recovery (--nan-recover)."""
+"""When a run ends other than after --epochs: a time budget (--time), NaN recovery (--nan-recover) and a
+listener's request (TrainEvent.request_stop)."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,6 @@ from torch import nn
 from tests.conftest import ROOT, run_env
 from tests.test_resume import ARGS, TORCHRUN
 from utils.core.dist import DistInfo
-from utils.core.hyp import Hyp
 from utils.data.loader import TrainSampler
 from utils.engine.budget import TimeBudget
 from utils.engine.config import resolve_resume
@@ -249,3 +249,21 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
     torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
     opt = train.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
     assert resolve_resume(opt, vars(train.build_parser().parse_args([]))).args.epochs == 40
+
+
+# ---------------------------------------------------------------- a listener's request
+@pytest.mark.slow
+def test_a_listener_s_request_ends_the_run_after_that_epoch(tiny_data, tmp_path, one_thread, restore_logger):
+    """TrainEvent.request_stop (tune.py's pruner asks through it): the run ends after the epoch it was asked in,
+    its checkpoint written, as a normal end."""
+    import train
+    from utils.core.callbacks import Callbacks
+
+    callbacks = Callbacks()
+    callbacks.add("on_fit_epoch_end", lambda e: e.request_stop("enough") if e.epoch == 0 else None)
+    opt = train.parse_opt(["--data", str(tiny_data), *ARGS, "--workers", "0", "--project", str(tmp_path),
+                           "--name", "asked"])
+    result = train.main(opt, callbacks)
+    assert (result.stop, result.epochs) == ("requested", 1)
+    assert len((tmp_path / "asked" / "results.csv").read_text().strip().splitlines()) == 2  # header + epoch 1
+    assert torch.load(result.last, weights_only=True)["epoch"] == 0

@@ -1,6 +1,7 @@
 """tune.py on a real Optuna study in SQLite: trials are ordinary training runs, workers share the study through
-its storage alone, a killed worker's trial is FAILED and retried, a hopeless trial is PRUNED, and the search
-space yaml is validated like a hyp file. Trials are tiny (16 images, 64 px, 2 epochs)."""
+its storage alone, a killed worker's trial is FAILED and retried, a hopeless trial is PRUNED, a torchrun job is
+one worker whose ranks train each trial together, and the search space yaml is validated like a hyp file.
+Trials are tiny (16 images, 64 px, 2 epochs)."""
 from __future__ import annotations
 
 import csv
@@ -226,9 +227,9 @@ def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
     lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
     study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
                                               intermediate_values={0: 0.9, 1: 0.9}))
-    trial = study.ask()
-    with pytest.raises(optuna.TrialPruned, match="pruned after epoch 1"):
-        replay(Reporter(trial), saved, tmp_path / "results.csv")
+    reporter = Reporter(study.ask())
+    assert replay(reporter, saved, tmp_path / "results.csv") == 1  # stopped where the pruner said
+    assert "pruned after epoch 1" in reporter.pruned
     assert study.trials[1].intermediate_values == pytest.approx({0: 0.055})
 
 
@@ -253,6 +254,65 @@ def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
     assert list(ts[1].intermediate_values) == [0]  # stopped after its first epoch
     assert load_hyp(tmp_path / "prune" / "best_hyp.yaml").lr0 == pytest.approx(0.01)
+
+
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "tune.py"]
+
+
+def torchrun(args: list[str]) -> str:
+    """``torchrun --nproc_per_node 2 tune.py`` (gloo on CPU) to its end, every rank exiting 0 (a hang fails the
+    test at the timeout); its log."""
+    p = subprocess.run([*TORCHRUN, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_torchrun_worker_prunes_on_every_rank(data, tmp_path):
+    """The pruner speaks on rank 0; both ranks stop after the same epoch and exit 0, and the trial ends PRUNED
+    (as in test_median_pruner_prunes_a_hopeless_trial)."""
+    space = tmp_path / "space.yaml"
+    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
+    storage = f"sqlite:///{tmp_path / 'prune.db'}"
+    study = optuna.create_study(study_name="prune", storage=storage, direction="maximize")
+    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
+    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
+                                              intermediate_values={0: 0.9, 1: 0.9}))
+    out = torchrun(["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(tmp_path), "--study", "prune",
+                    "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median",
+                    "--pruner-startup", "1"])
+    ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
+    assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert list(ts[1].intermediate_values) == [0] and "trial 1 pruned after epoch 1" in out
+    with open(tmp_path / "prune" / "trial_1" / "results.csv", newline="") as f:
+        assert [r["epoch"] for r in csv.DictReader(f)] == ["0"]  # the run ended after that epoch
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_preempted_torchrun_worker_exits_75_then_completes_the_study(data, tmp_path):
+    """A torchrun job is one worker: rank 0 alone talks to the study, every rank trains each trial. SIGTERM to the
+    job: both ranks save and exit 75, rank 0 alone enqueues the trial again; the same command then completes the
+    study of 2 trials, each trained by both ranks, the retry continuing its last.pt as a single process's does."""
+    args = twin_study(data, tmp_path, "term")
+    p = subprocess.Popen([*TORCHRUN, *args], cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(p, tmp_path / "term" / "trial_0" / "opt.yaml")
+    os.killpg(p.pid, signal.SIGTERM)  # a scheduler's stop: torchrun forwards it to its workers
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode != 0 and out.count("exiting with code 75") == 2, out[-3000:]  # rank 0's and rank 1's
+    ts = trials(tmp_path, "term")
+    assert [t.state for t in ts] == [TrialState.FAIL, TrialState.WAITING, TrialState.WAITING]  # enqueued once
+    assert retried_from(ts[2]) == 0
+    out = torchrun(args)
+    assert_retry_continued(tmp_path, "term", out)  # FAIL, then 2 COMPLETE: none trained twice
+    assert out.count("Devices: CPU x 2 rank(s)") == 2  # each trial's start summary, from rank 0 alone
+    for n in (1, 2):
+        run = tmp_path / "term" / f"trial_{n}"
+        assert trials(tmp_path, "term")[n].user_attrs["run_dir"] == str(run)
+        assert load_checkpoint(run / "weights" / "last.pt")["world_size"] == 2  # trained by both ranks
 
 
 def test_default_spaces_load():

@@ -29,6 +29,7 @@ from utils.core.logging import LOGGER
 
 _CPU_GROUP = None  # gloo group for object collectives and long waits (set by init_distributed)
 _OWN_GROUP = False  # init_distributed created the default group (a script of the user's may have made it)
+_HOLDS = 0  # init_distributed calls not yet matched by cleanup_distributed: an outer one holds the groups
 LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets
 
 
@@ -234,12 +235,17 @@ def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float 
     """Join the process group (nccl for CUDA, gloo for CPU) and create the CPU gloo group.
 
     ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise),
-    so a rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up."""
-    global _CPU_GROUP, _OWN_GROUP
+    so a rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up.
+    Calls nest: inside an outer call (tune.py's worker, whose trials each run train.main) the groups are
+    the outer call's, and its cleanup_distributed leaves them."""
+    global _CPU_GROUP, _OWN_GROUP, _HOLDS
     if not info.distributed:
         return
+    if _HOLDS:
+        _HOLDS += 1
+        return
     if is_dist():  # a script launched by torchrun joined the group itself (the Python API): train on it
-        _CPU_GROUP = _CPU_GROUP or dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+        _CPU_GROUP, _HOLDS = _CPU_GROUP or dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), 1
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=min_timeout_s))
@@ -249,7 +255,7 @@ def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float 
     else:
         dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=info.rank,
                                 world_size=info.world_size)
-    _CPU_GROUP, _OWN_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), True
+    _CPU_GROUP, _OWN_GROUP, _HOLDS = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), True, 1
 
 
 def _restart_store(info: DistInfo, timeout: datetime.timedelta):
@@ -270,8 +276,11 @@ def _restart_store(info: DistInfo, timeout: datetime.timedelta):
 
 def cleanup_distributed() -> None:
     """Leave the process group init_distributed created (safe to call when none exists); a group the
-    caller made stays, less the CPU group made for it."""
-    global _CPU_GROUP, _OWN_GROUP
+    caller made stays, less the CPU group made for it; a nested call's cleanup leaves both to the outer one."""
+    global _CPU_GROUP, _OWN_GROUP, _HOLDS
+    _HOLDS = max(_HOLDS - 1, 0)
+    if _HOLDS:
+        return
     if is_dist():
         dist.destroy_process_group(None if _OWN_GROUP else _CPU_GROUP)
     _CPU_GROUP, _OWN_GROUP = None, False

@@ -12,6 +12,7 @@ import torch
 from models.yolo import de_parallel
 from utils.core.callbacks import Callbacks
 from utils.core.runs import ResultsCSV
+from utils.engine.preempt import StopRequest
 from utils.eval.evaluate import EvalResult
 
 
@@ -34,6 +35,13 @@ class TrainEvent:
     is_best: bool = False
     path: Path | None = None  # on_model_save: the file written; on_train_end: best.pt
     training: Any = None  # the run's Training (model, EMA, optimizer, config, hyp): for advanced listeners
+    stop: StopRequest | None = field(default=None, repr=False)  # the run's stop machinery (request_stop)
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after the epoch in progress, on every rank together, as a normal end (stop 'requested'):
+        a listener deciding the run is not worth finishing (tune.py's pruner) must not leave ranks behind."""
+        if self.stop is not None:
+            self.stop.ask(reason)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -74,8 +82,8 @@ def metric_summary(result: EvalResult) -> dict[str, float]:
 class RunEvents:
     """The run's side of the callbacks: rank 0 tells its listeners; other ranks are silent."""
 
-    def __init__(self, t, callbacks: Callbacks | None) -> None:
-        self.t, self.callbacks = t, callbacks or Callbacks()
+    def __init__(self, t, callbacks: Callbacks | None, stop: StopRequest | None = None) -> None:
+        self.t, self.callbacks, self.stop = t, callbacks or Callbacks(), stop or StopRequest()
         self.enabled = t.info.is_main
 
     def wants(self, event: str) -> bool:
@@ -87,7 +95,8 @@ class RunEvents:
             return
         t, s = self.t, self.t.state
         self.callbacks.run(event, TrainEvent(event=event, save_dir=t.save_dir, epoch=s.epoch, epochs=s.epochs,
-                                             batch=s.batch, batches=t.batches_per_epoch, training=t, **fields))
+                                             batch=s.batch, batches=t.batches_per_epoch, training=t, stop=self.stop,
+                                             **fields))
 
     def batch_end(self, ni: int, mloss: torch.Tensor | tuple[float, ...], stepped: bool) -> None:
         """After a batch: ``mloss`` the running mean, as host values when the step read them, else on the device

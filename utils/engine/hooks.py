@@ -14,6 +14,7 @@ from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
 from utils.engine.events import RunEvents
+from utils.engine.preempt import StopRequest
 from utils.engine.state import make_checkpoint
 from utils.engine.track import Tracker, attach_trackers, close_trackers
 from utils.eval.evaluate import EvalResult
@@ -125,20 +126,34 @@ class Hooks:
         close_trackers(self.trackers, exc)
 
 
-def build_hooks(t, callbacks: Callbacks | None = None) -> Hooks:
-    """``callbacks``: the caller's listeners to the run's events (the Python API's); the trackers listen first."""
+def build_hooks(t, callbacks: Callbacks | None = None, stop: StopRequest | None = None) -> Hooks:
+    """``callbacks``: the caller's listeners to the run's events (the Python API's); the trackers listen first.
+    ``stop``: the run's stop machinery, where a listener's ``request_stop`` goes."""
     listeners = Callbacks()
     trackers = attach_trackers(t, listeners)  # --tensorboard, --mlflow (rank 0)
-    events = RunEvents(t, listeners.merged(callbacks))
+    events = RunEvents(t, listeners.merged(callbacks), stop)
     checkpointer = Checkpointer(t.weights_dir, t.info, t.cfg.save_period, events)
     plots = RunPlots(t.save_dir, t.names, enabled=t.info.is_main and not t.cfg.noplots)
     return Hooks(clock=SaveClock(t.cfg.save_interval), checkpointer=checkpointer, plots=plots,
                  end_epoch=EpochEnd(t, checkpointer, events), events=events, trackers=trackers)
 
 
+@dataclass(frozen=True)
+class EpochVerdict:
+    """Rank 0's word at an epoch's end, broadcast so that every rank acts on the same one."""
+
+    early: bool = False  # --patience epochs without improvement
+    asked: str | None = None  # a listener's reason to end the run here (TrainEvent.request_stop)
+
+    @property
+    def ends(self) -> bool:
+        return self.early or self.asked is not None
+
+
 class EpochEnd:
-    """After each epoch: early stop (decided once, broadcast), best fitness, the results.csv row
-    (built by column name), the log line and the epoch's checkpoints."""
+    """After each epoch: best fitness, the results.csv row (built by column name), the log line, the epoch's
+    checkpoints, on_fit_epoch_end, then whether the run ends here: early stop, or a listener's request (decided
+    on rank 0, where listeners run, and broadcast)."""
 
     def __init__(self, t, checkpointer: Checkpointer, events: RunEvents) -> None:
         self.t, self.checkpointer, self.events = t, checkpointer, events
@@ -147,22 +162,22 @@ class EpochEnd:
         if t.info.is_main and t.state.resumed:
             self.csv.truncate_after(t.state.epoch - 1)
 
-    def __call__(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> bool:
-        """Record the epoch; True when training should stop early (the same answer on every rank)."""
+    def __call__(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> EpochVerdict:
+        """Record the epoch; whether the run ends here (the same answer on every rank)."""
         t, state = self.t, self.t.state
         epoch, final = state.epoch, state.epoch + 1 == state.epochs
         if result is not None:
             state.metrics = result.metrics
         fitness = state.metrics.fitness() if result else 0.0
         # only validated epochs count towards early stopping (with --noval none do until the last)
-        stop = dist.broadcast_object(result is not None and state.stopper(epoch, fitness) and not final)
+        early = result is not None and state.stopper(epoch, fitness) and not final
         is_best = fitness >= state.best_fitness and result is not None
         state.best_fitness = max(state.best_fitness, fitness)
         row = self._log(mloss, lrs, result) if t.info.is_main else {}
         self.checkpointer.save_epoch(t, is_best)
         self.events.emit("on_fit_epoch_end", metrics=row, fitness=fitness if result else None, is_best=is_best,
                          lr=lrs, losses=dict(zip(t.criterion.loss_names, mloss.tolist())))
-        return stop
+        return dist.broadcast_object(EpochVerdict(early=early, asked=self.events.stop.asked))
 
     def _log(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> dict[str, float]:
         """The results.csv row and the log line; returns the row."""

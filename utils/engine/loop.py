@@ -23,7 +23,7 @@ from utils.core import dist
 from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
-from utils.engine.hooks import Hooks
+from utils.engine.hooks import EpochVerdict, Hooks
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
 from utils.engine.state import Stop, StopReason
@@ -71,7 +71,7 @@ def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) ->
     """The run's epochs from where its state stands: train, validate on every rank, record and save;
     returns why it stopped. ``watch`` hears of each phase (loader, step, validation, save)."""
     state, loop, close = t.state, LoopState.start(t), int(t.hyp.close_mosaic)
-    first_epoch, early = state.epoch, False
+    first_epoch, verdict = state.epoch, EpochVerdict()
     while state.epoch < state.epochs:  # --time may change state.epochs after each epoch
         t_epoch, first = time.time(), state.batch
         t.train_loader.sampler.set_epoch(state.epoch, skip=first * t.batch)
@@ -95,21 +95,26 @@ def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) ->
                 result = validate(t)
             hooks.events.val_end(result)
         with watch.phase("save", f"epoch {state.epoch + 1}"):
-            early = hooks.end_epoch(ended.mloss, lrs, result)  # results.csv row, early stop, last/best.pt
+            verdict = hooks.end_epoch(ended.mloss, lrs, result)  # results.csv row, last/best.pt, early or asked stop
             if result is not None and state.epoch + 1 == state.epochs:
                 hooks.plots.validation(result)
         hooks.clock.restart()
-        if early or loop.stopping or state.epoch + 1 >= state.epochs:
+        if verdict.ends or loop.stopping or state.epoch + 1 >= state.epochs:
             break
         state.epoch, state.batch = state.epoch + 1, 0
-    return _stop_after_epoch(t, loop, stop, hooks, early, state.epoch - first_epoch + 1)
+    return _stop_after_epoch(t, loop, stop, hooks, verdict, state.epoch - first_epoch + 1)
 
 
-def _stop_after_epoch(t: Training, loop: LoopState, stop: StopRequest, hooks: Hooks, early: bool, epochs: int) -> Stop:
+def _stop_after_epoch(t: Training, loop: LoopState, stop: StopRequest, hooks: Hooks, verdict: EpochVerdict,
+                      epochs: int) -> Stop:
+    """Why the epochs ended after one's checkpoint: a stop signal agreed during it, unless the run ends there
+    anyway (its last epoch, an early stop, a listener's request: a normal end), else that normal end."""
     state = t.state
-    if loop.stopping and not early and state.epoch + 1 < state.epochs:
+    if loop.stopping and not verdict.ends and state.epoch + 1 < state.epochs:
         return Stop(StopReason.PREEMPTED, _preempted(stop, hooks, f"the end of epoch {state.epoch + 1}"), epochs)
-    if early:
+    if verdict.asked is not None:
+        return Stop(StopReason.REQUESTED, verdict.asked, epochs)
+    if verdict.early:
         return Stop(StopReason.EARLY_STOP, epochs=epochs)
     return Stop(StopReason.TIME_BUDGET if state.clock.enabled else StopReason.FINISHED, epochs=epochs)
 

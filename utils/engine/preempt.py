@@ -6,6 +6,10 @@ carries it in the step's all-reduce (``loop.check_step``), so every rank stops a
 optimizer step, even when only one of them got the signal. There the Checkpointer writes a
 mid-epoch ``last.pt`` and train.py exits with ``EXIT_PREEMPTED``, so ``--resume auto`` on the
 next launch continues exactly.
+
+A listener of the run's events may ask for a stop too (``TrainEvent.request_stop``: tune.py's pruner). Listeners
+run on rank 0 only, so its request travels in the epoch's end agreement (hooks.EpochEnd), rank 0's word to every
+rank beside the early stop's, and every rank ends the run after that epoch, a normal end.
 """
 from __future__ import annotations
 
@@ -16,16 +20,23 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequest:
-    """Records SIGTERM / SIGUSR1 on this rank. ``requested`` stays set once a signal came: a signal
-    that arrives while an epoch ends (validation, checkpoint) is honoured at the next step."""
+    """Records SIGTERM / SIGUSR1 on this rank, and a listener's request (``ask``). ``requested`` stays set once
+    a signal came: a signal that arrives while an epoch ends (validation, checkpoint) is honoured at the next
+    step."""
 
     def __init__(self) -> None:
         self.signal: str | None = None  # the first signal's name; a second one changes nothing
+        self.asked: str | None = None  # a listener's reason to end the run after the epoch in progress
         self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
+
+    def ask(self, reason: str) -> None:
+        """A listener on rank 0 asks the run to end after the epoch in progress (the first reason is kept)."""
+        if self.asked is None:
+            self.asked = reason
 
     def install(self) -> StopRequest:
         """Handle the stop signals in this process (main thread only, as Python requires; a

@@ -41,6 +41,7 @@ class StopReason(enum.Enum):
     FINISHED = "finished"  # the planned epochs ran
     TIME_BUDGET = "time budget"  # --time: the epochs that fitted ran (a normal end)
     EARLY_STOP = "early stop"  # --patience epochs without improvement (a normal end)
+    REQUESTED = "requested"  # a listener asked for the stop (TrainEvent.request_stop; a normal end)
     PREEMPTED = "preempted"  # a stop signal: last.pt saved, exit 75 for a requeue
     NAN_BUDGET = "nan budget"  # a non-finite loss with no --nan-recover recovery left: exit 1
 
@@ -48,7 +49,7 @@ class StopReason(enum.Enum):
 @dataclass(frozen=True)
 class Stop:
     reason: StopReason
-    message: str = ""  # for PREEMPTED and NAN_BUDGET: what the user is told
+    message: str = ""  # for PREEMPTED and NAN_BUDGET: what the user is told; for REQUESTED, the listener's reason
     epochs: int = 0  # epochs this process trained to their end (the end summary's count)
 
 
@@ -61,7 +62,7 @@ class TrainResult:
     last: Path
     metrics: dict[str, Any]  # best.pt's validation (DetectionMetrics.as_dict: mp, mr, map50, map, fitness, per class)
     epochs: int  # epochs trained to their end in this call
-    stop: str  # a StopReason value: finished, time budget or early stop
+    stop: str  # a StopReason value: finished, time budget, early stop or requested
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values (json): the Python API carries a data-parallel run's result from rank 0 this way."""

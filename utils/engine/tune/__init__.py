@@ -1,5 +1,6 @@
 """Hyperparameter search on Optuna (tune.py, docs/tuning.md): the storage is the only coordination between
-workers; each trial is an ordinary training run; a killed worker's trial is retried, never lost or doubled.
+workers; each trial is an ordinary training run (on every rank of a torchrun worker, whose rank 0 alone talks
+to the storage); a killed worker's trial is retried, never lost or doubled.
 
 space (the search space yaml), study (storage, pruner, the trial table's tally), worker (the trial loop and the
 objective), resume (a retried trial continuing its predecessor's run), report (best hyp, trials.csv, pictures).
@@ -7,7 +8,8 @@ objective), resume (a retried trial continuing its predecessor's run), report (b
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
+from utils.core.watchdog import Watchdog
 from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model
 from utils.engine.tune.report import write_results
 from utils.engine.tune.space import default_space, load_space
@@ -41,9 +44,6 @@ def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..
     returns the study's folder. ``callbacks`` (the Python API's) hear every trial's events."""
     require_optuna()
     info = dist.dist_info()
-    if info.world_size > 1:
-        raise UserError("tune.py runs as one process per worker (start more workers for more trials at once); "
-                        "under torchrun each rank would train trials of its own")
     setup_logging(info.rank, info.world_size)
     for flag in OWNED:
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
@@ -60,10 +60,28 @@ def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..
               callbacks=callbacks)
     LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
                 f"base hyp {base}, pruner {opt.pruner}")
-    study = run_worker(job)
-    for path in report(study, folder, base):
-        LOGGER.info(f"wrote {path}")
+    with worker_group(info, train_opt):
+        study = run_worker(job)
+    if study is not None:  # rank 0's (the only one under torchrun that talks to the study)
+        for path in report(study, folder, base):
+            LOGGER.info(f"wrote {path}")
     return folder
+
+
+@contextmanager
+def worker_group(info: dist.DistInfo, train_opt: argparse.Namespace) -> Iterator[None]:
+    """A torchrun worker's process group, joined once and left at the end: every trial's train.main trains on it
+    (and leaves it in place). Its collectives wait as long as a trial's would (--hang-timeout)."""
+    if not info.distributed:
+        yield
+        return
+    device = dist.select_device(train_opt.device, train_opt.batch_size, info)
+    watch = Watchdog(info.rank, train_opt.hang_timeout * 60, peers=True)  # not started: its limits only
+    dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
+    try:
+        yield
+    finally:
+        dist.cleanup_distributed()
 
 
 def _settings(opt: argparse.Namespace, folder: Path, epochs: int) -> StudySettings:

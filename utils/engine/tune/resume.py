@@ -54,15 +54,18 @@ def replay(report: Callable[[Any], None], saved: SavedRun, results: Path) -> int
     """Hand the epochs ``saved`` holds to ``report`` (the trial's on_fit_epoch_end listener) as the run would
     have: each epoch's results.csv row, its fitness (0.1 mAP50 + 0.9 mAP50-95, from the row's 5 significant
     digits) and whether it is the best so far; no fitness for epochs a --noval run did not validate. Returns
-    the number of epochs handed over. ``report`` may raise TrialPruned."""
+    the number of epochs handed over: ``report`` may ask to stop (``event.request_stop``, the pruner), and the
+    replay ends at that epoch as the run would have."""
     rows = _rows(results, saved.epochs_done)
     map50, map50_95 = ResultsCSV.METRICS[2:]
-    best = 0.0
-    for epoch, row in rows:
+    best, asked = 0.0, []
+    for n, (epoch, row) in enumerate(rows, start=1):
         fitness = None if saved.args.get("noval") else 0.1 * row[map50] + 0.9 * row[map50_95]
         is_best = fitness is not None and fitness >= best
         best = max(best, fitness or 0.0)
-        report(SimpleNamespace(epoch=epoch, fitness=fitness, is_best=is_best, metrics=row))
+        report(SimpleNamespace(epoch=epoch, fitness=fitness, is_best=is_best, metrics=row, request_stop=asked.append))
+        if asked:
+            return n
     return len(rows)
 
 

@@ -6,20 +6,27 @@ the trial's own run folder (``<project>/<study>/trial_<number>``), and the run r
 to the study so the pruner can stop it. Any number of workers, on any number of machines, share one study:
 its storage hands out the trials and its heartbeat retries the trial of a worker that died; a retry continues
 its predecessor's run from the last.pt it left (resume).
+
+A worker may be a torchrun job: then rank 0 alone talks to the study, and hands every rank its word once per
+turn of its loop (an ``Order``: train these flags, wait, or leave); every rank trains each trial together, on
+the process group the worker holds. The pruner's decision reaches every rank as a requested stop
+(``TrainEvent.request_stop``), taken by all at the same epoch's end.
 """
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from utils.core.callbacks import CallbackError, Callbacks
-from utils.core.errors import Preempted
+from utils.core import dist
+from utils.core.callbacks import Callbacks
+from utils.core.errors import Preempted, UserError
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
@@ -54,9 +61,26 @@ class Job:
     callbacks: Callbacks | None = None  # the Python API's, for every trial after the study's own
 
 
+@dataclass(frozen=True)
+class Order:
+    """Rank 0's word to the other ranks of a torchrun worker, once per turn of its loop; neither field: wait."""
+
+    argv: tuple[str, ...] | None = None  # train.py's flags of the trial every rank trains now
+    done: bool = False  # the study holds its trials, or the rest run elsewhere: leave
+    error: str | None = None  # rank 0 could not open the study: every rank stops with this message
+
+
 def run_worker(job: Job) -> Any:
-    """Train trials until the study holds ``settings.trials`` finished ones; returns the study."""
-    study = open_study(job.settings)
+    """Train trials until the study holds ``settings.trials`` finished ones; returns the study (None on the
+    other ranks of a torchrun worker, which train what rank 0 hands them)."""
+    if not dist.dist_info().is_main:
+        follow(job)
+        return None
+    try:
+        study = open_study(job.settings)
+    except UserError as e:
+        dist.broadcast_object(Order(error=str(e)))
+        raise
     total = job.settings.trials
     waiting = False
     while True:
@@ -71,12 +95,39 @@ def run_worker(job: Job) -> Any:
             if not waiting:
                 LOGGER.info(f"{n.running} trial(s) running on other workers; waiting for them to finish or fail")
             waiting = True
+            dist.broadcast_object(Order())  # the other ranks wait with this one
             time.sleep(job.settings.heartbeat)
             continue
         waiting = False
-        study.optimize(lambda trial: objective(job, study, trial), n_trials=1, catch=(Surplus,))
+        with preempted_together():
+            study.optimize(lambda trial: objective(job, study, trial), n_trials=1, catch=(Surplus,))
+    dist.broadcast_object(Order(done=True))
     log_tally(study, total)
     return study
+
+
+def follow(job: Job) -> None:
+    """The other ranks of a torchrun worker: train each trial rank 0 hands out, beside it, until it says done."""
+    while True:
+        order = dist.broadcast_object(None)
+        if order.error is not None:
+            raise UserError(order.error)
+        if order.done:
+            return
+        if order.argv is not None:
+            with preempted_together():
+                job.train_main(job.train_parser().parse_args(list(order.argv)), job.callbacks)
+
+
+@contextmanager
+def preempted_together() -> Iterator[None]:
+    """A preempted trial's ranks leave once rank 0 has enqueued its retry and failed it: torchrun stops the job
+    when its first rank exits, which must not cut rank 0's bookkeeping short."""
+    try:
+        yield
+    except Preempted:
+        dist.barrier()
+        raise
 
 
 def objective(job: Job, study: Any, trial: Any) -> float:
@@ -97,41 +148,50 @@ def objective(job: Job, study: Any, trial: Any) -> float:
     best = Reporter(trial)
     if saved:  # the epochs it holds, to the pruner and the trial's best, before the run goes on
         replay(best, saved, folder / "results.csv")
-    run = ["--resume", str(saved.path)] if saved else ["--hyp", str(hyp_file), "--project", str(job.folder),
-                                                        "--name", folder.name, "--exist-ok"]
-    opt = job.train_parser().parse_args([*job.train_argv, *run])
+    if best.pruned is None:  # the replay may have pruned it: then it trains no more
+        run = ["--resume", str(saved.path)] if saved else ["--hyp", str(hyp_file), "--project", str(job.folder),
+                                                            "--name", folder.name, "--exist-ok"]
+        result = train_trial(job, study, trial, best, [*job.train_argv, *run])
+        if best.pruned is None:
+            return float(result.metrics.get("fitness", best.value))
+    raise optuna.TrialPruned(best.pruned)  # the pruner's decision, not an error: the trial ends PRUNED
+
+
+def train_trial(job: Job, study: Any, trial: Any, best: Reporter, argv: list[str]) -> Any:
+    """Every rank trains the trial's run (the others hear ``argv`` from this one, rank 0); a preempted trial's
+    parameters are enqueued again for the next worker, and it ends FAILED."""
+    opt = job.train_parser().parse_args(argv)
     callbacks = Callbacks()
     callbacks.add("on_fit_epoch_end", best)
+    dist.broadcast_object(Order(argv=tuple(argv)))
     try:
-        result = job.train_main(opt, callbacks.merged(job.callbacks))
-    except CallbackError as e:
-        if optuna is not None and isinstance(e.__cause__, optuna.TrialPruned):
-            raise e.__cause__ from None  # the pruner's decision, not an error: the trial ends PRUNED
-        raise
-    except Preempted:  # SIGTERM / SIGUSR1: this trial ends FAILED, its parameters wait for the next worker
+        return job.train_main(opt, callbacks.merged(job.callbacks))
+    except Preempted:  # SIGTERM / SIGUSR1: its parameters wait for the next worker
         study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number})
         raise
-    return float(result.metrics.get("fitness", best.value))
 
 
 class Reporter:
     """on_fit_epoch_end: the epoch's fitness to the study, the best epoch's results.csv row as the trial's user
-    attribute 'metrics'; raises TrialPruned when the pruner says so."""
+    attribute 'metrics'; when the pruner says so, ``pruned`` holds why and the run is asked to stop after this
+    epoch (``request_stop``: every rank of a torchrun worker stops together; rank 0's objective then ends
+    the trial PRUNED)."""
 
     def __init__(self, trial: Any) -> None:
         self.trial, self.value = trial, 0.0
+        self.pruned: str | None = None
 
     def __call__(self, event: Any) -> None:
-        if event.fitness is None:
+        if event.fitness is None or self.pruned is not None:
             return
         if event.is_best:
             self.trial.set_user_attr("metrics", {k: float(v) for k, v in event.metrics.items()})
         self.value = max(self.value, float(event.fitness))
         self.trial.report(float(event.fitness), event.epoch)
         if self.trial.should_prune():
-            why = f"trial {self.trial.number} pruned after epoch {event.epoch + 1}: fitness {event.fitness:.5f}"
-            LOGGER.info(why)
-            raise optuna.TrialPruned(why)
+            self.pruned = f"trial {self.trial.number} pruned after epoch {event.epoch + 1}: fitness {event.fitness:.5f}"
+            LOGGER.info(self.pruned)
+            event.request_stop(self.pruned)
 
 
 def write_trial_hyp(folder: Path, base: Path, values: dict[str, float]) -> Path:
