@@ -53,13 +53,22 @@ def test_resumed_lr_schedule_matches_the_uninterrupted_one():
 
 
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
-    from utils.engine.optim import AUTO_SGD_ITERATIONS, choose_optimizer
+    from utils.engine.optim import AUTO_SGD_ITERATIONS, E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX, \
+        choose_optimizer
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
     yolov5 = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=True)
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
     short = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
     assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667, 0.9, 0.0)
     assert "390 steps of 64 images" in short.reason  # ceil(800 / 64) * 30
+    e2e = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False, end2end=True)
+    assert (e2e.name, e2e.momentum, e2e.nominal_batch) == ("AdamW", 0.9, 16)
+    assert e2e.lr == 0.000667 * E2E_SHORT_LR_GAIN and f"x {E2E_SHORT_LR_GAIN:g} for an end-to-end head" in e2e.reason
+    few = choose_optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30, anchored=False, end2end=True)
+    assert few.lr == E2E_SHORT_LR_MAX  # 4 x 0.002 capped
+    e2e_long = choose_optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30, anchored=False,
+                                end2end=True)
+    assert (e2e_long.name, e2e_long.lr) == ("SGD", 0.01)  # long runs: the anchor-free recipe as it is
     steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
     epochs = AUTO_SGD_ITERATIONS // steps_per_epoch + 1
     long = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs, anchored=False)

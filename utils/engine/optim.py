@@ -26,6 +26,8 @@ def accumulate_steps(batch_size: int, nominal_batch: int = NOMINAL_BATCH) -> int
 
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
+E2E_SHORT_LR_GAIN = 4.0  # end-to-end heads' short-run AdamW LR over the anchor-free rule (docs/training.md),
+E2E_SHORT_LR_MAX = 0.004  # at most this (the highest LR measured, at 11 classes, is 0.0053)
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 
 
@@ -44,7 +46,7 @@ class OptimizerChoice:
 
 
 def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: int, epochs: int,
-                     anchored: bool) -> OptimizerChoice:
+                     anchored: bool, end2end: bool = False) -> OptimizerChoice:
     """Resolve --optimizer. ``auto`` follows each family's recipe:
 
     * anchor-based heads (YOLOv5): SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains;
@@ -56,6 +58,9 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
       times the learning at the same images/s (measured: docs/benchmarks.md, "Against Ultralytics").
       Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the
       nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers).
+    * end-to-end heads (YOLO26, YOLOv10): the anchor-free recipe, the short-run AdamW at
+      E2E_SHORT_LR_GAIN times its LR, at most E2E_SHORT_LR_MAX: at the anchor-free LR such a model
+      is still far from fitted after a short schedule (measured: docs/training.md).
 
     A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written, and 64; MuSGD
     also gives the head's class branches MUSGD_CLASS_LR_GAIN times the LR.
@@ -70,11 +75,13 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
     if iterations > AUTO_SGD_ITERATIONS:
         return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
                                f"auto: {iterations} steps of {NOMINAL_BATCH} images > {AUTO_SGD_ITERATIONS}, a long schedule")
-    lr = round(0.002 * 5 / (4 + nc), 6)
+    fit = round(0.002 * 5 / (4 + nc), 6)
+    lr = min(fit * E2E_SHORT_LR_GAIN, max(E2E_SHORT_LR_MAX, fit)) if end2end else fit
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {NOMINAL_BATCH} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
-                           f"lr 0.002 * 5 / (4 + {nc} classes); a step every {SHORT_RUN_BATCH} images, not "
-                           f"{NOMINAL_BATCH}, for more updates", nominal_batch=SHORT_RUN_BATCH)
+                           f"lr 0.002 * 5 / (4 + {nc} classes)" + (f" x {E2E_SHORT_LR_GAIN:g} for an end-to-end head (at most {E2E_SHORT_LR_MAX:g})" if end2end else "")
+                           + f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates",
+                           nominal_batch=SHORT_RUN_BATCH)
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,

@@ -105,7 +105,8 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     if not saved and not cfg.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or choose_optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, anchored)
+        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, anchored,
+        model.detect.supports_end2end)
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
     decay = hyp.weight_decay * cfg.batch_size * accumulate / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
