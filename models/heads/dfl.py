@@ -55,10 +55,14 @@ class DFLDetect(Head):
 
     def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
         if self.dw_cls:
-            return nn.Sequential(nn.Sequential(DWConv(c, c, 3), Conv(c, c3, 1)),
-                                 nn.Sequential(DWConv(c3, c3, 3), Conv(c3, c3, 1)),
+            return nn.Sequential(nn.Sequential(self._depthwise(c, 3), Conv(c, c3, 1)),
+                                 nn.Sequential(self._depthwise(c3, 3), Conv(c3, c3, 1)),
                                  nn.Conv2d(c3, self.nc, 1))
         return nn.Sequential(Conv(c, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, self.nc, 1))
+
+    def _depthwise(self, c: int, k: int) -> nn.Module:
+        """The depthwise conv of the class branch (a subclass may build the same computation as another class)."""
+        return DWConv(c, c, k)
 
     def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         raw = [torch.cat((self.cv2[i](x), self.cv3[i](x)), 1) for i, x in enumerate(xs)]

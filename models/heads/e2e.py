@@ -94,14 +94,10 @@ class V10Detect(E2EDetect):
     def __init__(self, nc: int, reg_max: int = 16, dw_cls: bool = True, *, ch: list[int] | tuple[int, ...]) -> None:
         super().__init__(nc, reg_max, dw_cls, ch=ch)
 
-    def _cls_branch(self, c: int, c3: int) -> nn.Sequential:
-        """The depthwise class branch with its depthwise 3x3s as ``Conv(g=c)``, as v10Detect builds them:
-        DWConv's computation, under the class name the importer matches."""
-        if not self.dw_cls:
-            return super()._cls_branch(c, c3)
-        return nn.Sequential(nn.Sequential(Conv(c, c, 3, g=c), Conv(c, c3, 1)),
-                             nn.Sequential(Conv(c3, c3, 3, g=c3), Conv(c3, c3, 1)),
-                             nn.Conv2d(c3, self.nc, 1))
+    def _depthwise(self, c: int, k: int) -> nn.Module:
+        """``Conv(g=c)``, as v10Detect builds its class branch: DWConv's computation, under the class name the
+        importer matches."""
+        return Conv(c, c, k, g=c)
 
     def build_criterion(self, hyp: Hyp, imgsz: int) -> V10Loss:
         return V10Loss(self, DFLLossGains.from_hyp(hyp))

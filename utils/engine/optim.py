@@ -76,7 +76,7 @@ def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: in
         return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
                                f"auto: {iterations} steps of {NOMINAL_BATCH} images > {AUTO_SGD_ITERATIONS}, a long schedule")
     fit = round(0.002 * 5 / (4 + nc), 6)
-    lr = min(fit * E2E_SHORT_LR_GAIN, max(E2E_SHORT_LR_MAX, fit)) if end2end else fit
+    lr = max(fit, min(fit * E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX)) if end2end else fit
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {NOMINAL_BATCH} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
                            f"lr 0.002 * 5 / (4 + {nc} classes)" + (f" x {E2E_SHORT_LR_GAIN:g} for an end-to-end head (at most {E2E_SHORT_LR_MAX:g})" if end2end else "")
