@@ -144,6 +144,16 @@ def half_rounded(model: Model) -> dict[str, torch.Tensor]:
     return {k: v.half().float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
 
 
+def both_outputs(converted: torch.nn.Module, original: Model, expected: dict[str, torch.Tensor]) -> tuple:
+    """The converted model's and the original's eval outputs on one fixed batch, the original holding
+    ``expected`` (its fp16-rounded weights): ((ours, ours_raw), (theirs, theirs_raw))."""
+    original.load_state_dict(expected)
+    original.eval()
+    x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return converted(x), original(x)
+
+
 def models() -> dict[str, Model]:
     """One small model of each family, seeded, with BN statistics that are not the init values."""
     torch.manual_seed(0)
@@ -236,11 +246,7 @@ def test_converted_weights_and_outputs_equal_the_originals(crafted, watched, nam
     model, card = load_model(crafted["files"][name], torch.device("cpu"))
     assert (card.names, card.imgsz, card.epoch, card.tensors) == (tuple(NAMES), 96, -1, len(expected))
     assert card.converted_weights == ckpt["converted_from"]["weights"] and card.data is None
-    original.load_state_dict(expected)
-    original.eval()
-    x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        (ours, ours_raw), (theirs, theirs_raw) = model(x), original(x)
+    (ours, ours_raw), (theirs, theirs_raw) = both_outputs(model, original, expected)
     assert torch.equal(ours, theirs) and all(torch.equal(a, b) for a, b in zip(ours_raw, theirs_raw))
 
 

@@ -75,14 +75,15 @@ def raises_user_error(cfg: Path | dict | str, *fragments: str) -> str:
     return msg
 
 
-def randomize_bn(model: nn.Module) -> None:
-    """Non-trivial BN statistics and affine terms, so fusing has something to fold."""
+def randomize_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial BN statistics and affine terms, so fusing has something to fold; returns the model."""
     for mod in model.modules():
         if isinstance(mod, nn.BatchNorm2d):
             mod.running_mean.uniform_(-0.5, 0.5)
             mod.running_var.uniform_(0.5, 2.0)
             mod.weight.data.uniform_(0.5, 1.5)
             mod.bias.data.uniform_(-0.2, 0.2)
+    return model
 
 
 # ---------------------------------------------------------------------------------------- sizes

@@ -209,6 +209,26 @@ def test_preempted_worker_exits_75_and_its_trial_continues(data, tmp_path):
     assert_retry_continued(tmp_path, "term", out)
 
 
+def add_high_scorer(study) -> None:
+    """An earlier search's trial, added through Optuna's API: lr0 0.01, fitness 0.9 at epochs 0 and 1."""
+    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
+    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
+                                              intermediate_values={0: 0.9, 1: 0.9}))
+
+
+def hopeless_study(data: Path, project: Path) -> tuple[str, list[str]]:
+    """The study 'prune' holding add_high_scorer's trial, and tune.py's flags for 2 trials of 2 tiny epochs with
+    the median pruner after 1 complete trial: the second trial is pruned after its first epoch. Returns the
+    storage URL and the flags."""
+    space = project / "space.yaml"
+    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
+    storage = f"sqlite:///{project / 'prune.db'}"
+    add_high_scorer(optuna.create_study(study_name="prune", storage=storage, direction="maximize"))
+    return storage, ["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(project), "--study", "prune",
+                     "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median",
+                     "--pruner-startup", "1"]
+
+
 def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
     """A retry's epochs taken over go to its trial from results.csv: the saved epochs only (a row written after
     the last save is not the run's), each once; the median pruner may stop the retry there, before it trains."""
@@ -224,9 +244,7 @@ def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
     assert replay(heard.append, SimpleNamespace(epochs_done=2, args={"noval": True}), tmp_path / "results.csv") == 2
     assert [e.fitness for e in heard[2:]] == [None, None]  # not validated: nothing for the pruner
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
-    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
-    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
-                                              intermediate_values={0: 0.9, 1: 0.9}))
+    add_high_scorer(study)
     reporter = Reporter(study.ask())
     assert replay(reporter, saved, tmp_path / "results.csv") == 1  # stopped where the pruner said
     assert "pruned after epoch 1" in reporter.pruned
@@ -239,16 +257,8 @@ def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     scores far less at its first epoch, so the median pruner stops it there."""
     import tune
 
-    space = tmp_path / "space.yaml"
-    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
-    storage = f"sqlite:///{tmp_path / 'prune.db'}"
-    study = optuna.create_study(study_name="prune", storage=storage, direction="maximize")
-    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
-    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
-                                              intermediate_values={0: 0.9, 1: 0.9}))
-    code = tune.cli(["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(tmp_path), "--study", "prune",
-                     "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median",
-                     "--pruner-startup", "1"])
+    storage, args = hopeless_study(data, tmp_path)
+    code = tune.cli(args)
     assert code == 0
     ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
     assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
@@ -273,16 +283,8 @@ def torchrun(args: list[str]) -> str:
 def test_torchrun_worker_prunes_on_every_rank(data, tmp_path):
     """The pruner speaks on rank 0; both ranks stop after the same epoch and exit 0, and the trial ends PRUNED
     (as in test_median_pruner_prunes_a_hopeless_trial)."""
-    space = tmp_path / "space.yaml"
-    space.write_text("lr0: {low: 1.0e-4, high: 0.1, log: true}\n")
-    storage = f"sqlite:///{tmp_path / 'prune.db'}"
-    study = optuna.create_study(study_name="prune", storage=storage, direction="maximize")
-    lr0 = optuna.distributions.FloatDistribution(1e-4, 0.1, log=True)
-    study.add_trial(optuna.trial.create_trial(params={"lr0": 0.01}, distributions={"lr0": lr0}, value=0.9,
-                                              intermediate_values={0: 0.9, 1: 0.9}))
-    out = torchrun(["--data", str(data), *TRAIN, "--epochs", "2", "--project", str(tmp_path), "--study", "prune",
-                    "--trials", "2", "--storage", storage, "--space", str(space), "--pruner", "median",
-                    "--pruner-startup", "1"])
+    storage, args = hopeless_study(data, tmp_path)
+    out = torchrun(args)
     ts = optuna.load_study(study_name="prune", storage=storage).get_trials()
     assert [t.state for t in ts] == [TrialState.COMPLETE, TrialState.PRUNED]
     assert list(ts[1].intermediate_values) == [0] and "trial 1 pruned after epoch 1" in out

@@ -185,10 +185,6 @@ def test_ultralytics_yolo26_checkpoint_imports_exactly(tmp_path, monkeypatch, on
     expected = tc.half_rounded(original)
     assert list(ckpt["model"]) == list(expected) and any("one2one_cv2" in k for k in expected)
     model, _ = load_model(path, torch.device("cpu"))
-    original.load_state_dict(expected)
-    original.eval()
-    x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        (ours, ours_raw), (theirs, theirs_raw) = model(x), original(x)
+    (ours, ours_raw), (theirs, theirs_raw) = tc.both_outputs(model, original, expected)
     assert torch.equal(ours, theirs)
     assert all(torch.equal(a, b) for k in ours_raw for a, b in zip(ours_raw[k], theirs_raw[k]))

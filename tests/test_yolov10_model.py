@@ -20,6 +20,7 @@ from models.heads.e2e_loss import E2ELoss
 from models.parse import load_model_yaml
 from models.registry import head_class
 from models.yolo import Model
+from tests.test_models_af import randomize_bn
 from utils.core.hyp import Hyp
 
 ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
@@ -29,22 +30,11 @@ ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
 NC = 5
 
 
-def _randomise_bn(model: nn.Module) -> nn.Module:
-    """BN statistics and scales that are not the init values, so fusion is really tested."""
-    for mod in model.modules():
-        if isinstance(mod, nn.BatchNorm2d):
-            mod.running_mean.uniform_(-0.2, 0.2)
-            mod.running_var.uniform_(0.5, 1.5)
-            mod.weight.data.uniform_(0.5, 1.5)
-            mod.bias.data.uniform_(-0.2, 0.2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def s_model() -> Model:
     """The s size: both its C2fCIB rows use the large-kernel RepVGGDW."""
     torch.manual_seed(0)
-    return _randomise_bn(Model("yolov10s.yaml", nc=NC)).eval()
+    return randomize_bn(Model("yolov10s.yaml", nc=NC)).eval()
 
 
 @pytest.mark.parametrize("scale", list(ULTRALYTICS))
@@ -95,7 +85,7 @@ def test_fused_equals_unfused_and_repvggdw_becomes_one_conv(s_model):
 
 def test_repvggdw_fold_is_exact_on_its_own():
     torch.manual_seed(3)
-    rep = _randomise_bn(RepVGGDW(8)).eval()
+    rep = randomize_bn(RepVGGDW(8)).eval()
     x = torch.randn(2, 8, 11, 13)
     with torch.no_grad():
         before = rep(x)
@@ -153,7 +143,7 @@ def test_ultralytics_yolov10_checkpoint_imports_exactly(tmp_path, monkeypatch, o
     monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/modules/head.py", ["Detect", "Segment", "v10Detect"])
     monkeypatch.setitem(tc.STANDIN_MODULES, "ultralytics/nn/tasks.py", ["DetectionModel", "YOLOv10DetectionModel"])
     torch.manual_seed(0)
-    original = _randomise_bn(Model("yolov10n.yaml", nc=len(tc.NAMES)))
+    original = randomize_bn(Model("yolov10n.yaml", nc=len(tc.NAMES)))
     path, older = tmp_path / "yolov10n.pt", tmp_path / "older.pt"
     spec = tc.make_spec(original, tc.ULTRALYTICS, "yolov10n.yaml")
     spec["modules"][0]["attrs"]["yaml"]["head"][-1][2] = "v10Detect"
@@ -168,10 +158,6 @@ def test_ultralytics_yolov10_checkpoint_imports_exactly(tmp_path, monkeypatch, o
     expected = tc.half_rounded(original)
     assert list(ckpt["model"]) == list(expected) and any(".conv1." in k for k in expected)
     model, _ = load_model(path, torch.device("cpu"))
-    original.load_state_dict(expected)
-    original.eval()
-    x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        (ours, ours_raw), (theirs, theirs_raw) = model(x), original(x)
+    (ours, ours_raw), (theirs, theirs_raw) = tc.both_outputs(model, original, expected)
     assert torch.equal(ours, theirs)
     assert all(torch.equal(a, b) for k in ours_raw for a, b in zip(ours_raw[k], theirs_raw[k]))
