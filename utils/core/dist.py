@@ -290,34 +290,35 @@ def cleanup_distributed() -> None:
 def torch_distributed_zero_first(local_rank: int) -> Iterator[None]:
     """Let each node's local rank 0 do the work first (scan, cache, generate) while the others wait.
 
-    Every rank passes one CPU-group all-reduce: local masters after their work, the others before
-    theirs. The reduced value carries a failure flag, so if a master fails the waiting ranks stop
-    at once with a clear UserError instead of hanging until a timeout.
+    Every rank passes one CPU-group gather: local masters after their work, the others before theirs.
+    A master that fails hands its error message to the gather, so the waiting ranks stop at once with
+    that same UserError (on every node, in every rank's error file) instead of hanging until a timeout.
     """
     if not is_dist():
         yield
         return
     if local_rank != 0:
-        _rendezvous(failed=False)
+        _rendezvous(None)
         yield
         return
     try:
         yield
-    except BaseException:
-        _rendezvous(failed=True, raise_on_failure=False)
+    except BaseException as e:
+        _rendezvous(str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}", raise_on_failure=False)
         raise
-    _rendezvous(failed=False)
+    _rendezvous(None)
 
 
-def _rendezvous(failed: bool, raise_on_failure: bool = True) -> None:
+def _rendezvous(failure: str | None, raise_on_failure: bool = True) -> None:
     """The zero-first wait: as long as the slowest node's scan or cache build, which beats only on its
     own local rank 0, so the watchdog allows it the CPU group's own timeout."""
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-    with watchdog.phase("collective all_reduce (local rank 0 prepares the data)",
+    out: list[str | None] = [None] * _world_size()
+    with watchdog.phase("collective all_gather_object (local rank 0 prepares the data)",
                         patience_s=LONG_TIMEOUT.total_seconds() - 300):  # named before gloo's own timeout
-        dist.all_reduce(flag, group=_CPU_GROUP)
-    if flag.item() and raise_on_failure:
-        raise UserError("a node's local rank 0 failed while preparing data (its error is shown above)")
+        dist.all_gather_object(out, failure, group=_CPU_GROUP)
+    failures = [f for f in out if f is not None]
+    if failures and raise_on_failure:
+        raise UserError(failures[0])
 
 
 def barrier() -> None:
