@@ -8,7 +8,9 @@
 Each checkpoint is exported once, --dynamic, into a temporary folder (export.py's own writer, so
 the graph is the one users ship; an end-to-end head's graph outputs its (B, max_det, 6)
 detections), then both backends run at each size. Every figure is ``--warmup`` untimed calls,
-then the median of ``--runs`` calls timed with time.perf_counter, divided by the batch size.
+then the median of ``--runs`` calls timed with time.perf_counter, divided by the batch size. The
+cells (model, backend, size) take turns, ``--rounds`` blocks of runs / rounds calls each, so a
+slow spell of a shared machine costs every cell alike and the ratios stay fair.
 
 - forward ms: the forward pass alone on a random float batch (no pre-processing, no NMS), as
   before. PyTorch runs as detect.py runs a checkpoint (BN folded; NHWC on CPU), ONNX Runtime
@@ -42,6 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -85,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=Range(int, min=1), default=1, help="images per call")
     p.add_argument("--warmup", type=Range(int, min=0), default=5, help="untimed calls first")
     p.add_argument("--runs", type=Range(int, min=1), default=30, help="timed calls (the median is reported)")
+    p.add_argument("--rounds", type=Range(int, min=1), default=10,
+                   help="the cells (model, backend, size) take turns this many times, runs / rounds calls each")
     p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--end-to-end", action="store_true",
                    help="also time detect.py's steps per image: letterbox, pre-process, forward, NMS, unletterbox")
@@ -126,17 +131,24 @@ def unique_labels(paths: list[str]) -> list[str]:
     return [f"{i}:{p}" for i, p in enumerate(paths)]  # the same file named twice
 
 
-def median_ms(call: Callable[[], object], warmup: int, runs: int) -> float:
-    """Median wall time of ``call()`` in ms over ``runs`` calls, after ``warmup`` untimed ones."""
+def interleaved_ms(calls: list[Callable[[], object]], warmup: int, runs: int, rounds: int) -> list[float]:
+    """Each call's median wall time in ms over ``runs`` timed calls, after ``warmup`` untimed ones. The calls
+    take turns, ``rounds`` blocks of runs / rounds calls each, so a slow spell of a shared machine falls on
+    every call alike instead of on whichever one was being timed then: the ratios between them stay fair."""
+    times: list[list[float]] = [[] for _ in calls]
+    block = max(runs // rounds, 1)
     with torch.no_grad():
-        for _ in range(warmup):
-            call()
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for call in calls:
+            for _ in range(warmup):
+                call()
+        while len(times[0]) < runs:
+            for call, spent in zip(calls, times):
+                call()  # one untimed call after the switch: caches hold the other model's weights
+                for _ in range(min(block, runs - len(spent))):
+                    t0 = time.perf_counter()
+                    call()
+                    spent.append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def export_onnx(reference: TorchBackend, size: int, batch: int, path: Path) -> OnnxBackend:
@@ -166,28 +178,42 @@ def end_to_end_call(predictor: Predictor, img: np.ndarray, size: int, batch: int
     return call
 
 
-def time_backend(label: str, name: str, predictor: Predictor, size: int, img: np.ndarray | None,
-                 opt: argparse.Namespace) -> Row:
-    """One row: the forward pass on a random batch and, when ``img`` is given, detect.py's steps on it."""
-    x = torch.rand(opt.batch_size, 3, size, size, generator=torch.Generator().manual_seed(0))
-    x = x.contiguous(memory_format=predictor.memory_format)
-    backend = predictor.backend
-    forward = median_ms(lambda: backend(x), opt.warmup, opt.runs) / opt.batch_size
-    head = "e2e" if backend.end2end else "NMS"
-    if img is None:
-        return Row(label, name, size, head, forward)
-    call = end_to_end_call(predictor, img, size, opt.batch_size)
-    e2e = median_ms(call, opt.warmup, opt.runs) / opt.batch_size
-    return Row(label, name, size, head, forward, e2e, len(call()[0]))
+@dataclass(frozen=True)
+class Cell:
+    """One model, backend and size to time: its forward pass on a random batch and, with an image, detect.py's steps."""
+
+    model: str
+    backend: str
+    imgsz: int
+    head: str  # "NMS" or "e2e"
+    forward: Callable[[], object]
+    end_to_end: Callable[[], list[np.ndarray]] | None
 
 
-def bench_model(label: str, weights: str, opt: argparse.Namespace, img: np.ndarray | None, folder: Path) -> list[Row]:
-    """Rows for one checkpoint: PyTorch and its ONNX export at every size (rounded to its stride)."""
+def cells_for(label: str, weights: str, opt: argparse.Namespace, img: np.ndarray | None, folder: Path) -> list[Cell]:
+    """Cells for one checkpoint: PyTorch and its ONNX export at every size (rounded to its stride)."""
     reference = TorchBackend.from_checkpoint(weights, torch.device("cpu"))
     sizes = [round_to_stride(s, reference.meta.stride) for s in opt.imgsz]
     session = export_onnx(reference, max(sizes), opt.batch_size, folder / f"{len(list(folder.iterdir()))}.onnx")
-    backends = {"PyTorch": predictor_for(reference), "ONNX Runtime": predictor_for(session)}
-    return [time_backend(label, name, predictor, s, img, opt) for s in sizes for name, predictor in backends.items()]
+    cells = []
+    for size in sizes:
+        for name, predictor in {"PyTorch": predictor_for(reference), "ONNX Runtime": predictor_for(session)}.items():
+            x = torch.rand(opt.batch_size, 3, size, size, generator=torch.Generator().manual_seed(0))
+            x = x.contiguous(memory_format=predictor.memory_format)
+            call = None if img is None else end_to_end_call(predictor, img, size, opt.batch_size)
+            cells.append(Cell(label, name, size, "e2e" if predictor.backend.end2end else "NMS",
+                              partial(predictor.backend, x), call))
+    return cells
+
+
+def time_cells(cells: list[Cell], opt: argparse.Namespace) -> list[Row]:
+    """Every cell's forward (then end-to-end) time, the cells taking turns (interleaved_ms)."""
+    forward = interleaved_ms([c.forward for c in cells], opt.warmup, opt.runs, opt.rounds)
+    if cells[0].end_to_end is None:
+        return [Row(c.model, c.backend, c.imgsz, c.head, f / opt.batch_size) for c, f in zip(cells, forward)]
+    e2e = interleaved_ms([c.end_to_end for c in cells], opt.warmup, opt.runs, opt.rounds)
+    return [Row(c.model, c.backend, c.imgsz, c.head, f / opt.batch_size, e / opt.batch_size, len(c.end_to_end()[0]))
+            for c, f, e in zip(cells, forward, e2e)]
 
 
 def print_table(rows: list[Row], first: str, end_to_end: bool) -> None:
@@ -217,14 +243,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         torch.set_num_threads(opt.threads)
     img = test_image(opt.source) if opt.end_to_end else None
     labels = unique_labels(opt.weights)
-    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, weights in zip(labels, opt.weights):
-            rows += bench_model(label, weights, opt, img, Path(tmp))
+        cells = [c for label, weights in zip(labels, opt.weights) for c in cells_for(label, weights, opt, img, Path(tmp))]
+        rows = time_cells(cells, opt)
     print(cpu_summary())
     image = "" if img is None else \
         f"; image {img.shape[0]}x{img.shape[1]} ({opt.source or 'synthetic, seed 0'}), conf 0.25, IoU 0.45"
-    print(f"batch {opt.batch_size}, median of {opt.runs} runs after {opt.warmup} warmup, ms per image{image}")
+    print(f"batch {opt.batch_size}, median of {opt.runs} runs after {opt.warmup} warmup, in {opt.rounds} interleaved "
+          f"rounds, ms per image{image}")
     print_table(rows, labels[0], opt.end_to_end)
     return rows
 

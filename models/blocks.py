@@ -99,6 +99,18 @@ def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
+def stack_convs(a: nn.Conv2d, b: nn.Conv2d) -> nn.Conv2d:
+    """One Conv2d (with bias) whose output is torch.cat((a(x), b(x)), 1); a and b must match in all but weights."""
+    stacked = nn.Conv2d(a.in_channels, a.out_channels + b.out_channels, a.kernel_size, a.stride, a.padding,
+                        a.dilation, a.groups, bias=True).to(device=a.weight.device, dtype=a.weight.dtype)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat((a.weight, b.weight)))
+        stacked.bias.copy_(torch.cat([c.bias if c.bias is not None else torch.zeros_like(c.weight[:, 0, 0, 0])
+                                      for c in (a, b)]))
+    stacked.requires_grad_(False)
+    return stacked
+
+
 class DWConv(Conv):
     """Depthwise Conv (groups = gcd(c1, c2)): spatial mixing at a fraction of a full conv's cost,
     paired with a 1x1 Conv in YOLO11's class branch."""
@@ -136,9 +148,27 @@ class C3(nn.Module):
         self.cv2 = Conv(c1, c_, 1, 1)
         self.cv3 = Conv(2 * c_, c2, 1)
         self.m = nn.Sequential(*(Bottleneck(c_, c_, shortcut, g, e=1.0) for _ in range(n)))
+        self.cv12: Conv | None = None  # cv1 and cv2 as one conv, once merge_inputs() has run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cv12 is not None:
+            a, b = self.cv12(x).chunk(2, 1)
+            return self.cv3(torch.cat((self.m(a), b), 1))
         return self.cv3(torch.cat((self.m(self.cv1(x)), self.cv2(x)), 1))
+
+    def merge_inputs(self) -> bool:
+        """Inference only, after BN folding: cv1 and cv2 read the same input through the same kind of conv,
+        so one conv with their weights stacked gives both outputs in one call (a small map costs per call,
+        not per FLOP). Irreversible, like fuse_bn; False (nothing changed) when the two differ."""
+        a, b = self.cv1, self.cv2
+        same = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups")
+        if a.bn is not None or b.bn is not None or type(a.act) is not type(b.act) or \
+                any(getattr(a.conv, k) != getattr(b.conv, k) for k in same):
+            return False
+        self.cv12 = Conv(1, 1, act=a.act)  # a shell for the stacked conv: no BN, the same activation
+        self.cv12.conv, self.cv12.bn = stack_convs(a.conv, b.conv), None
+        self.cv1 = self.cv2 = None
+        return True
 
 
 class SPPF(nn.Module):

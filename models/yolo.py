@@ -14,7 +14,7 @@ import thop
 import torch
 from torch import nn
 
-from models.blocks import Conv
+from models.blocks import C3, Conv
 from models.blocks_v10 import RepVGGDW
 from models.heads.anchor import check_anchors_spec, plain_anchors, resample_anchors
 from models.heads.base import Head
@@ -109,8 +109,8 @@ class Model(nn.Module):
         return torch.tensor([PROBE_SIZE / o.shape[-2] for o in out], dtype=torch.float32)
 
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its conv (and RepVGGDW's two branches into one) for faster inference;
-        returns self."""
+        """Fold every BatchNorm into its conv (and RepVGGDW's two branches into one), then give each C3 one conv
+        for its two input convs (C3.merge_inputs), for faster inference; returns self."""
         n = 0
         for m in list(self.modules()):  # a RepVGGDW comes before its Convs, which it fuses itself
             if isinstance(m, RepVGGDW) and m.conv1 is not None:
@@ -119,7 +119,8 @@ class Model(nn.Module):
             elif isinstance(m, Conv) and m.bn is not None:
                 m.fuse_bn()
                 n += 1
-        LOGGER.debug(f"Fused {n} Conv+BN layers")
+        merged = sum(m.merge_inputs() for m in list(self.modules()) if isinstance(m, C3) and m.cv12 is None)
+        LOGGER.debug(f"Fused {n} Conv+BN layers; merged the twin input convs of {merged} C3 blocks")
         return self
 
     def info(self, imgsz: int | tuple[int, int] = 640) -> ModelInfo:

@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch import nn
 
-from models.blocks import Conv
+from models.blocks import C3, Conv
 from models.heads.anchor import Detect
 from models.yolo import Model, ModelInfo, de_parallel
 from utils.core.errors import UserError
@@ -153,7 +153,35 @@ def test_fuse_matches_unfused_in_eval() -> None:
     assert fused is m
     assert not any(isinstance(mod, nn.BatchNorm2d) for mod in m.modules())
     assert all(c.bn is None for c in m.modules() if isinstance(c, Conv))
+    c3s = [c for c in m.modules() if isinstance(c, C3)]
+    assert len(c3s) == 8 and all(c.cv12 is not None and c.cv1 is None and c.cv2 is None for c in c3s)
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_c3_merged_input_convs_give_both_outputs() -> None:
+    torch.manual_seed(0)
+    block = C3(24, 32, n=1).eval()
+    for conv in (block.cv1, block.cv2, block.cv3, *block.m[0].modules()):
+        if isinstance(conv, Conv):
+            conv.fuse_bn()
+    x = torch.randn(2, 24, 10, 12)
+    with torch.no_grad():
+        halves = block.cv1(x), block.cv2(x)
+        ref = block(x)
+        assert block.merge_inputs()
+        assert torch.allclose(torch.cat(halves, 1), block.cv12(x), atol=1e-5)
+        assert torch.allclose(block(x), ref, atol=1e-5)
+    assert block.cv12.conv.bias is not None and not block.cv12.conv.weight.requires_grad
+
+
+def test_c3_input_convs_that_differ_stay_apart() -> None:
+    unfolded = C3(8, 8)
+    assert not unfolded.merge_inputs()  # BN not folded yet: the merge is for inference only
+    block = C3(8, 8)
+    for conv in (block.cv1, block.cv2):
+        conv.fuse_bn()
+    block.cv2.act = nn.ReLU()
+    assert not block.merge_inputs() and block.cv12 is None and block.cv1 is not None
 
 
 def test_de_parallel_unwraps() -> None:
