@@ -71,7 +71,7 @@ def test_progress_keeps_it_alive_and_stop_ends_the_thread():
             with watch.phase("validation"):
                 for _ in watchdog.beats(range(20)):  # what the shared code does: beats the installed watchdog
                     time.sleep(0.1)
-            with watch.phase("collective all_reduce (local rank 0 prepares the data)", patience_s=30):
+            with watch.phase("collective all_gather_object (local rank 0 prepares the data)", patience_s=30):
                 time.sleep(2.0)  # a wait allowed to outlast the timeout
         print("alive", threading.active_count())
     """)
