@@ -15,6 +15,7 @@ from torch import nn
 from models.blocks import C3, Conv
 from models.heads.anchor import Detect
 from models.yolo import Model, ModelInfo, de_parallel
+from tests.test_models_af import randomize_bn
 from utils.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,14 +138,7 @@ def test_detect_bias_priors() -> None:
 
 def test_fuse_matches_unfused_in_eval() -> None:
     torch.manual_seed(1)
-    m = Model(MODELS / "yolov5n.yaml")
-    for mod in m.modules():  # non-trivial BN statistics so fusing has something to fold
-        if isinstance(mod, nn.BatchNorm2d):
-            mod.running_mean.uniform_(-0.5, 0.5)
-            mod.running_var.uniform_(0.5, 2.0)
-            mod.weight.data.uniform_(0.5, 1.5)
-            mod.bias.data.uniform_(-0.2, 0.2)
-    m.eval()
+    m = randomize_bn(Model(MODELS / "yolov5n.yaml")).eval()  # non-trivial BN statistics so fusing has something to fold
     x = torch.rand(1, 3, 96, 128)
     with torch.no_grad():
         ref = m(x)[0]

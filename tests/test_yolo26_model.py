@@ -150,15 +150,21 @@ def test_agnostic_topk_keeps_one_class_per_box():
     assert torch.equal(out[0, :, 5], labels[idx].float())
 
 
-def test_fused_equals_unfused(n_model):
+def assert_fused_copy_matches(model: Model) -> Model:
+    """A fused copy of an end-to-end model gives its detections and both branches' raw levels; returns the copy."""
     x = torch.rand(2, 3, 64, 96)
-    fused = copy.deepcopy(n_model).fuse()
+    fused = copy.deepcopy(model).fuse()
     with torch.no_grad():
-        (a, ra), (b, rb) = n_model(x), fused(x)
+        (a, ra), (b, rb) = model(x), fused(x)
     assert torch.allclose(a, b, atol=1e-4)
     for key in ("one2many", "one2one"):
         for p, q in zip(ra[key], rb[key]):
             assert torch.allclose(p, q, atol=1e-4)
+    return fused
+
+
+def test_fused_equals_unfused(n_model):
+    assert_fused_copy_matches(n_model)
 
 
 def test_rebuilds_from_its_stored_yaml(n_model):
