@@ -217,12 +217,13 @@ def test_a_cache_that_fits_only_under_the_host_ram_is_refused_in_a_container(ima
 
 
 def test_loader_workers_shared_memory_is_kept_free(images, shm, monkeypatch):
-    """8 ranks x 8 workers at 640 px, batch 16: about 2.5 GB of /dev/shm that the cache must leave free."""
+    """8 ranks x 8 workers at 640 px, batch 16, 4 batch buffers each: about 5 GB of /dev/shm that the cache must
+    leave free."""
     node = imgcache.loader_shm_bytes(ranks=8, workers=8, batch_size=16, img_size=640)
-    assert node == 8 * 8 * 2 * 16 * 3 * 640 * 640 and 2.4e9 < node < 2.6e9
+    assert node == 8 * 8 * 4 * 16 * 3 * 640 * 640 and 4.9e9 < node < 5.1e9
     free = imgcache.MARGIN_BYTES + 2**24  # room for this small cache and the usual margin, not for the workers
     monkeypatch.setattr(imgcache, "free_bytes", lambda folder, mode: (free, f"is free in {folder}"))
-    with pytest.raises(UserError, match=r"--cache ram needs .* \(2.8 GB must stay free, 2.5 GB of it for the loader "
+    with pytest.raises(UserError, match=r"--cache ram needs .* \(5.3 GB must stay free, 5.0 GB of it for the loader "
                                         r"workers' shared-memory batches\); use --cache disk"):
         imgcache.build_or_open(images, 64, False, "ram", workers_shm=node)
     assert not list(shm.iterdir())

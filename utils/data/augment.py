@@ -12,9 +12,51 @@ utils/data/dataset.py (it needs the dataset to load its other three images).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
+
+
+@dataclass(frozen=True)
+class LetterboxFit:
+    """Where an image of some size lands in a letterbox: its resized size, the per-axis ratio (rw, rh)
+    resized / original, and the padding added on each side. One rule for pixels and labels."""
+
+    resized_hw: tuple[int, int]
+    ratio: tuple[float, float]
+    top: int
+    bottom: int
+    left: int
+    right: int
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        return self.resized_hw[0] + self.top + self.bottom, self.resized_hw[1] + self.left + self.right
+
+    @property
+    def pad(self) -> tuple[float, float]:
+        """(left, top): the padding before the image, as labels and Placement take it."""
+        return float(self.left), float(self.top)
+
+
+def letterbox_fit(hw: tuple[int, int], new_shape: int | tuple[int, int] = 640, auto: bool = False,
+                  scaleup: bool = True, stride: int = 32) -> LetterboxFit:
+    """letterbox's geometry for an (h, w) image, without the image: resize keeping the aspect ratio,
+    then pad to ``new_shape`` (h, w), the padding split evenly (see ``letterbox``)."""
+    if isinstance(new_shape, int):
+        new_shape = (new_shape, new_shape)
+    r = min(new_shape[0] / hw[0], new_shape[1] / hw[1])
+    if not scaleup:
+        r = min(r, 1.0)
+    new_unpad = int(round(hw[1] * r)), int(round(hw[0] * r))  # w, h
+    dw, dh = new_shape[1] - new_unpad[0], new_shape[0] - new_unpad[1]
+    if auto:
+        dw, dh = dw % stride, dh % stride
+    dw, dh = dw / 2, dh / 2
+    return LetterboxFit(resized_hw=(new_unpad[1], new_unpad[0]), ratio=(new_unpad[0] / hw[1], new_unpad[1] / hw[0]),
+                        top=int(round(dh - 0.1)), bottom=int(round(dh + 0.1)),
+                        left=int(round(dw - 0.1)), right=int(round(dw + 0.1)))
 
 
 def letterbox(
@@ -31,23 +73,42 @@ def letterbox(
     shrinks, which keeps validation faithful to the original pixels. Returns the image, the
     scale ratio (rw, rh) and the padding (dw, dh) added on the left and top.
     """
-    shape = img.shape[:2]  # h, w
-    if isinstance(new_shape, int):
-        new_shape = (new_shape, new_shape)
-    r = min(new_shape[0] / shape[0], new_shape[1] / shape[1])
-    if not scaleup:
-        r = min(r, 1.0)
-    new_unpad = int(round(shape[1] * r)), int(round(shape[0] * r))  # w, h
-    dw, dh = new_shape[1] - new_unpad[0], new_shape[0] - new_unpad[1]
-    if auto:
-        dw, dh = dw % stride, dh % stride
-    dw, dh = dw / 2, dh / 2
-    if (shape[1], shape[0]) != new_unpad:
-        img = cv2.resize(img, new_unpad, interpolation=cv2.INTER_LINEAR)
-    top, bottom = int(round(dh - 0.1)), int(round(dh + 0.1))
-    left, right = int(round(dw - 0.1)), int(round(dw + 0.1))
-    img = cv2.copyMakeBorder(img, top, bottom, left, right, cv2.BORDER_CONSTANT, value=color)
-    return img, (new_unpad[0] / shape[1], new_unpad[1] / shape[0]), (float(left), float(top))
+    fit = letterbox_fit(img.shape[:2], new_shape, auto, scaleup, stride)
+    if img.shape[:2] != fit.resized_hw:
+        img = cv2.resize(img, fit.resized_hw[::-1], interpolation=cv2.INTER_LINEAR)
+    img = cv2.copyMakeBorder(img, fit.top, fit.bottom, fit.left, fit.right, cv2.BORDER_CONSTANT, value=color)
+    return img, fit.ratio, fit.pad
+
+
+def hsv_gains(rng: np.random.Generator, hgain: float = 0.5, sgain: float = 0.5,
+              vgain: float = 0.5) -> np.ndarray | None:
+    """Hue, saturation and value multipliers drawn from 1 +- gain; None when every gain is 0.
+
+    Always draws three values, so the sample's later draws do not depend on the gains.
+    """
+    r = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
+    return r if (hgain or sgain or vgain) else None
+
+
+def hsv_lut(r: np.ndarray) -> np.ndarray:
+    """The (256, 1, 3) uint8 table that scales OpenCV's 8-bit H (0-179, wrapping), S and V by ``r``."""
+    x = np.arange(0, 256, dtype=np.float64)
+    lut = np.empty((256, 1, 3), np.uint8)
+    lut[:, 0, 0] = ((x * r[0]) % 180).astype(np.uint8)
+    lut[:, 0, 1] = np.clip(x * r[1], 0, 255).astype(np.uint8)
+    lut[:, 0, 2] = np.clip(x * r[2], 0, 255).astype(np.uint8)
+    return lut
+
+
+def apply_hsv(img: np.ndarray, r: np.ndarray, dst: np.ndarray | None = None, rgb: bool = False) -> np.ndarray:
+    """Scale hue, saturation and value of a BGR uint8 image: three passes (to HSV, one 3-channel
+    lookup in place, back). The way back writes into ``dst`` (default: ``img`` itself), in RGB order
+    with ``rgb``, so a loader gets its tensor layout from the same pass."""
+    hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
+    cv2.LUT(hsv, hsv_lut(r), dst=hsv)
+    out = img if dst is None else dst
+    cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB if rgb else cv2.COLOR_HSV2BGR, dst=out)
+    return out
 
 
 def augment_hsv(img: np.ndarray, rng: np.random.Generator, hgain: float = 0.5, sgain: float = 0.5,
@@ -56,16 +117,25 @@ def augment_hsv(img: np.ndarray, rng: np.random.Generator, hgain: float = 0.5, s
 
     Each channel is multiplied by a factor drawn from 1 +- gain (hue wraps at 180).
     """
-    r = rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain]) + 1
-    if not (hgain or sgain or vgain):
-        return
-    hue, sat, val = cv2.split(cv2.cvtColor(img, cv2.COLOR_BGR2HSV))
-    x = np.arange(0, 256, dtype=np.float64)
-    lut_hue = ((x * r[0]) % 180).astype(np.uint8)
-    lut_sat = np.clip(x * r[1], 0, 255).astype(np.uint8)
-    lut_val = np.clip(x * r[2], 0, 255).astype(np.uint8)
-    hsv = cv2.merge((cv2.LUT(hue, lut_hue), cv2.LUT(sat, lut_sat), cv2.LUT(val, lut_val)))
-    cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=img)
+    r = hsv_gains(rng, hgain, sgain, vgain)
+    if r is not None:
+        apply_hsv(img, r)
+
+
+def flip_draws(rng: np.random.Generator, fliplr: float = 0.5, flipud: float = 0.0) -> tuple[bool, bool]:
+    """Whether to flip left-right (probability ``fliplr``) and up-down (``flipud``): always two draws."""
+    u = rng.random(2)
+    return bool(u[0] < fliplr), bool(u[1] < flipud)
+
+
+def flip_labels(labels: np.ndarray, lr: bool, ud: bool) -> np.ndarray:
+    """(n, 5) [cls, xc, yc, w, h] normalised labels of a flipped image (a new array)."""
+    labels = labels.copy()
+    if lr:
+        labels[:, 1] = 1 - labels[:, 1]
+    if ud:
+        labels[:, 2] = 1 - labels[:, 2]
+    return labels
 
 
 def random_flip(img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, fliplr: float = 0.5,
@@ -74,26 +144,30 @@ def random_flip(img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, f
 
     ``labels`` are (n, 5) [cls, xc, yc, w, h] normalised; returns new image and label arrays.
     """
-    u = rng.random(2)
-    labels = labels.copy()
-    if u[0] < fliplr:
+    lr, ud = flip_draws(rng, fliplr, flipud)
+    if lr:
         img = np.ascontiguousarray(img[:, ::-1])
-        labels[:, 1] = 1 - labels[:, 1]
-    if u[1] < flipud:
+    if ud:
         img = np.ascontiguousarray(img[::-1])
-        labels[:, 2] = 1 - labels[:, 2]
-    return img, labels
+    return img, flip_labels(labels, lr, ud)
+
+
+def resized_hw(h0: int, w0: int, img_size: int) -> tuple[int, int]:
+    """(h, w) after ``resize_long_side``: the long side becomes ``img_size``, each side rounded up on its own."""
+    r = img_size / max(h0, w0)
+    if r == 1:
+        return h0, w0
+    return min(max(1, math.ceil(h0 * r)), img_size), min(max(1, math.ceil(w0 * r)), img_size)
 
 
 def resize_long_side(img: np.ndarray, img_size: int, augment: bool) -> np.ndarray:
     """Scale so the long side is ``img_size``: INTER_AREA when shrinking for evaluation (sharper)."""
     h0, w0 = img.shape[:2]
-    r = img_size / max(h0, w0)
-    if r == 1:
+    h, w = resized_hw(h0, w0, img_size)
+    if (h, w) == (h0, w0):
         return img
-    interp = cv2.INTER_LINEAR if (augment or r > 1) else cv2.INTER_AREA
-    size = (min(max(1, math.ceil(w0 * r)), img_size), min(max(1, math.ceil(h0 * r)), img_size))
-    return cv2.resize(img, size, interpolation=interp)
+    interp = cv2.INTER_LINEAR if (augment or img_size > max(h0, w0)) else cv2.INTER_AREA
+    return cv2.resize(img, (w, h), interpolation=interp)
 
 
 def box_candidates(box1: np.ndarray, box2: np.ndarray, wh_thr: float = 2, ar_thr: float = 100,
@@ -108,6 +182,65 @@ def box_candidates(box1: np.ndarray, box2: np.ndarray, wh_thr: float = 2, ar_thr
     w2, h2 = box2[:, 2] - box2[:, 0], box2[:, 3] - box2[:, 1]
     ar = np.maximum(w2 / (h2 + eps), h2 / (w2 + eps))
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (ar < ar_thr)
+
+
+def perspective_matrix(in_hw: tuple[int, int], rng: np.random.Generator, degrees: float = 10.0,
+                       translate: float = 0.1, scale: float = 0.1, shear: float = 10.0, perspective: float = 0.0,
+                       border: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, float, tuple[int, int]]:
+    """random_perspective's 3x3 matrix for an image of size ``in_hw``, its scale draw and the output (h, w).
+
+    Built as YOLOv5 does (centre, perspective, rotation+scale, shear, translation), so hyperparameters
+    tuned there mean the same here. Always draws 8 values from ``rng`` in one call.
+    """
+    height, width = in_hw[0] + border[0] * 2, in_hw[1] + border[1] * 2
+    u = rng.uniform(-1.0, 1.0, 8)  # perspective x, y; angle; scale; shear x, y; translation x, y
+    C = np.eye(3)
+    C[0, 2], C[1, 2] = -in_hw[1] / 2, -in_hw[0] / 2  # move the centre to the origin
+    P = np.eye(3)
+    P[2, 0], P[2, 1] = u[0] * perspective, u[1] * perspective
+    R = np.eye(3)
+    s = 1 + u[3] * scale
+    R[:2] = cv2.getRotationMatrix2D(angle=u[2] * degrees, center=(0, 0), scale=s)
+    S = np.eye(3)
+    S[0, 1], S[1, 0] = math.tan(u[4] * shear * math.pi / 180), math.tan(u[5] * shear * math.pi / 180)
+    T = np.eye(3)
+    T[0, 2], T[1, 2] = (0.5 + u[6] * translate) * width, (0.5 + u[7] * translate) * height
+    return T @ S @ R @ P @ C, s, (height, width)  # right to left: centre first
+
+
+def needs_warp(M: np.ndarray, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> bool:
+    """False when the warp would return its input unchanged (identity matrix, same size)."""
+    return tuple(in_hw) != tuple(out_hw) or bool((M != np.eye(3)).any())
+
+
+def warp_image(img: np.ndarray, M: np.ndarray, out_hw: tuple[int, int], perspective: bool,
+               dst: np.ndarray | None = None) -> np.ndarray:
+    """``img`` warped by ``M`` to ``out_hw`` (bilinear, grey 114 outside), into ``dst`` when given."""
+    size = (out_hw[1], out_hw[0])
+    if perspective:
+        return cv2.warpPerspective(img, M, dsize=size, dst=dst, borderValue=(114, 114, 114))
+    return cv2.warpAffine(img, M[:2], dsize=size, dst=dst, borderValue=(114, 114, 114))
+
+
+def warp_boxes(labels: np.ndarray, M: np.ndarray, s: float, out_hw: tuple[int, int], perspective: bool) -> np.ndarray:
+    """Pixel [cls, x1, y1, x2, y2] labels after the warp ``M``: the hull of each box's transformed corners,
+    clipped to the output and filtered by ``box_candidates`` (``s``: the matrix's scale draw)."""
+    n = len(labels)
+    if not n:
+        return labels.reshape(0, 5).copy()
+    height, width = out_hw
+    xy = np.ones((n * 4, 3))
+    xy[:, :2] = labels[:, [1, 2, 3, 4, 1, 4, 3, 2]].reshape(n * 4, 2)  # the four corners
+    xy = xy @ M.T
+    xy = (xy[:, :2] / xy[:, 2:3] if perspective else xy[:, :2]).reshape(n, 8)
+    x, y = xy[:, [0, 2, 4, 6]], xy[:, [1, 3, 5, 7]]
+    new = np.stack((x.min(1), y.min(1), x.max(1), y.max(1)), 1)
+    new[:, [0, 2]] = new[:, [0, 2]].clip(0, width)
+    new[:, [1, 3]] = new[:, [1, 3]].clip(0, height)
+    keep = box_candidates(labels[:, 1:5] * s, new)
+    out = labels[keep].copy()
+    out[:, 1:5] = new[keep]
+    return out
 
 
 def random_perspective(
@@ -125,54 +258,30 @@ def random_perspective(
 
     ``labels`` are (n, 5) [cls, x1, y1, x2, y2] in pixels. The output is ``img`` grown by
     ``2 * border`` (h, w): a mosaic passes ``(-s // 2, -s // 2)`` to crop its 2s canvas back to s.
-    The matrix is built as YOLOv5 does (centre, perspective, rotation+scale, shear, translation),
-    so hyperparameters tuned there mean the same here. Boxes are the hull of their transformed
-    corners, clipped to the image and filtered by ``box_candidates``. Always draws 8 values
-    from ``rng`` in one call, so the sample's later draws do not depend on the gains.
+    Boxes are the hull of their transformed corners, clipped to the image and filtered by
+    ``box_candidates``. Always draws 8 values from ``rng``, so the sample's later draws do not
+    depend on the gains.
     """
-    height, width = img.shape[0] + border[0] * 2, img.shape[1] + border[1] * 2
-    u = rng.uniform(-1.0, 1.0, 8)  # perspective x, y; angle; scale; shear x, y; translation x, y
-    C = np.eye(3)
-    C[0, 2], C[1, 2] = -img.shape[1] / 2, -img.shape[0] / 2  # move the centre to the origin
-    P = np.eye(3)
-    P[2, 0], P[2, 1] = u[0] * perspective, u[1] * perspective
-    R = np.eye(3)
-    s = 1 + u[3] * scale
-    R[:2] = cv2.getRotationMatrix2D(angle=u[2] * degrees, center=(0, 0), scale=s)
-    S = np.eye(3)
-    S[0, 1], S[1, 0] = math.tan(u[4] * shear * math.pi / 180), math.tan(u[5] * shear * math.pi / 180)
-    T = np.eye(3)
-    T[0, 2], T[1, 2] = (0.5 + u[6] * translate) * width, (0.5 + u[7] * translate) * height
-    M = T @ S @ R @ P @ C  # right to left: centre first
-    if border[0] or border[1] or (M != np.eye(3)).any():
-        if perspective:
-            img = cv2.warpPerspective(img, M, dsize=(width, height), borderValue=(114, 114, 114))
-        else:
-            img = cv2.warpAffine(img, M[:2], dsize=(width, height), borderValue=(114, 114, 114))
-    n = len(labels)
-    if not n:
-        return img, labels.reshape(0, 5).copy()
-    xy = np.ones((n * 4, 3))
-    xy[:, :2] = labels[:, [1, 2, 3, 4, 1, 4, 3, 2]].reshape(n * 4, 2)  # the four corners
-    xy = xy @ M.T
-    xy = (xy[:, :2] / xy[:, 2:3] if perspective else xy[:, :2]).reshape(n, 8)
-    x, y = xy[:, [0, 2, 4, 6]], xy[:, [1, 3, 5, 7]]
-    new = np.stack((x.min(1), y.min(1), x.max(1), y.max(1)), 1)
-    new[:, [0, 2]] = new[:, [0, 2]].clip(0, width)
-    new[:, [1, 3]] = new[:, [1, 3]].clip(0, height)
-    keep = box_candidates(labels[:, 1:5] * s, new)
-    out = labels[keep].copy()
-    out[:, 1:5] = new[keep]
-    return img, out
+    M, s, out_hw = perspective_matrix(img.shape[:2], rng, degrees, translate, scale, shear, perspective, border)
+    if needs_warp(M, img.shape[:2], out_hw):
+        img = warp_image(img, M, out_hw, bool(perspective))
+    return img, warp_boxes(labels, M, s, out_hw, bool(perspective))
+
+
+def mixup_ratio(rng: np.random.Generator) -> float:
+    """Mixup's blend weight of the first image, Beta(32, 32): about one half, so both images stay visible."""
+    return float(rng.beta(32.0, 32.0))
+
+
+def blend(img1: np.ndarray, img2: np.ndarray, r: float) -> np.ndarray:
+    """``img1 * r + img2 * (1 - r)`` as uint8 (truncated), as YOLOv5 blends."""
+    return (img1 * r + img2 * (1 - r)).astype(np.uint8)
 
 
 def mixup(img1: np.ndarray, labels1: np.ndarray, img2: np.ndarray, labels2: np.ndarray,
           rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Blend two same-shape images with a Beta(32, 32) ratio (about 0.5) and keep both label sets.
 
-    https://arxiv.org/abs/1710.09412. The ratio is concentrated near one half so both images stay
-    visible; labels keep full weight, as in YOLOv5.
+    https://arxiv.org/abs/1710.09412. Labels keep full weight, as in YOLOv5.
     """
-    r = rng.beta(32.0, 32.0)
-    img = (img1 * r + img2 * (1 - r)).astype(np.uint8)
-    return img, np.concatenate((labels1, labels2), 0)
+    return blend(img1, img2, mixup_ratio(rng)), np.concatenate((labels1, labels2), 0)

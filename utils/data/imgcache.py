@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -40,7 +39,7 @@ from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
-from utils.data.augment import resize_long_side
+from utils.data.augment import resize_long_side, resized_hw
 from utils.data.images import read_image_bgr
 from utils.data.labelcache import cache_paths, files_hash
 from utils.data.labels import img2label_paths
@@ -53,14 +52,6 @@ CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max at its root (a container's own
 MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
 
 ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
-
-
-def resized_shape(h0: int, w0: int, img_size: int) -> tuple[int, int]:
-    """(h, w) after ``resize_long_side``: long side ``img_size`` (same rounding), for the size estimate."""
-    r = img_size / max(h0, w0)
-    if r == 1:
-        return h0, w0
-    return min(max(1, math.ceil(h0 * r)), img_size), min(max(1, math.ceil(w0 * r)), img_size)
 
 
 def header_hw(im_files: Sequence[str]) -> np.ndarray:
@@ -273,7 +264,7 @@ def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: b
            image_hw: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
     """Decode + resize every image in threads into a preallocated temp .npy, then rename it and the index in."""
     n = len(im_files)
-    hw = np.array([resized_shape(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
+    hw = np.array([resized_hw(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
                    for h, w in image_hw], dtype=np.int64).reshape(-1, 2)
     nbytes_each = hw[:, 0] * hw[:, 1] * 3
     offsets = np.concatenate([[0], np.cumsum(nbytes_each)[:-1]]).astype(np.int64)
@@ -358,7 +349,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
             sizes = header_hw(im_files) if image_hw is None else np.asarray(image_hw, dtype=np.int64).reshape(-1, 2)
             if len(sizes) != len(im_files):
                 raise ValueError(f"image_hw has {len(sizes)} rows for {len(im_files)} images")
-            need = sum(h * w * 3 for h, w in (resized_shape(int(h), int(w), img_size)
+            need = sum(h * w * 3 for h, w in (resized_hw(int(h), int(w), img_size)
                                               for h, w in sizes if w > 0 and h > 0))
             _check_room(need, len(im_files), img_size, folder, mode, workers_shm)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
@@ -375,9 +366,10 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
     return cache
 
 
-def loader_shm_bytes(ranks: int, workers: int, batch_size: int, img_size: int, prefetch: int = 2) -> int:
-    """/dev/shm held by the node's loader workers: each passes ``prefetch`` uint8 batches (mosaic's size) to its rank."""
-    return ranks * workers * prefetch * batch_size * 3 * img_size * img_size
+def loader_shm_bytes(ranks: int, workers: int, batch_size: int, img_size: int, slots: int = 4) -> int:
+    """/dev/shm held by the node's loader workers: each writes its rank's uint8 batches (mosaic's size) into
+    ``slots`` buffers (utils/data/batch.py)."""
+    return ranks * workers * slots * batch_size * 3 * img_size * img_size
 
 
 def release_ram_caches(local_rank: int, *caches: "ImageCache | None", wait: bool = True) -> None:
