@@ -15,25 +15,30 @@ import numpy as np
 import torch
 
 from utils.core import watchdog
-from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
-from utils.data.augment import augment_hsv, letterbox, mixup, random_flip, random_perspective, resize_long_side
+from utils.data.augment import resize_long_side, resized_hw
+from utils.data.batch import Batch, BatchMemory, batch_targets
+from utils.data.device_augment import pack
 from utils.data.geometry import Placement
 from utils.data.images import read_image_bgr
 from utils.data.labelcache import load_or_scan
 from utils.data.labels import describe_source, format_summary, img2label_paths, require_usable, resolve_image_files
+from utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from utils.data.problems import check_label_presence, report_messages, write_problem_report
+from utils.data.render import Scratch, TileSource, render
 
 
 class SampleKey(NamedTuple):
     """What the train sampler hands a worker: the (epoch, index) that seeds the sample's augmentation,
-    and whether mosaic is still on. close_mosaic is decided in the main process (TrainSampler), so
-    persistent workers follow it without being told, even when --time moves it during the run."""
+    whether mosaic is still on, and the pool its mosaic partners come from. close_mosaic is decided in the
+    main process (TrainSampler), so persistent workers follow it without being told, even when --time moves
+    it during the run. An empty pool lets a mosaic take its partners from the whole dataset."""
 
     epoch: int
     index: int
     mosaic: bool = True
+    pool: tuple[int, ...] = ()
 
 
 # image (3, H, W) uint8 RGB, labels (n, 6) [0, cls, xc, yc, w, h] normalised, path, placement, index
@@ -86,6 +91,9 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
         self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
+        self.memory = BatchMemory()  # where batches are written (create_dataloader sets its reuse)
+        self.render_on_device = False  # the training device draws the pixels (--augment-on device)
+        self._scratch, self._loaded_hw = Scratch(), None
         if rect:
             self._set_rect_shapes(batch_size)
 
@@ -117,46 +125,19 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         img = read_image_bgr(self.im_files[i])  # the scan's decoder: EXIF, alpha, 16-bit, CMYK, truncation
         return resize_long_side(img, self.img_size, self.augment), img.shape[:2]
 
-    def load_mosaic(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Four images around a random centre on a 2s x 2s canvas, warped back to s x s.
+    def plan_inputs(self) -> PlanInputs:
+        """What planning reads of this dataset (its arrays, not copies)."""
+        shapes = self.batch_shapes[self.batch_index] if self.rect else None
+        return PlanInputs(img_size=self.img_size, augment=self.augment, hyp=self.hyp, loaded_hw=self.loaded_hw,
+                          orig_hw=self.image_hw, labels=self.labels, shapes=shapes)
 
-        The tiles are ``index`` and three indices drawn from ``rng``, in an order drawn from
-        ``rng``, so the sample's own image is not always top-left. Labels come back as pixel
-        [cls, x1, y1, x2, y2] in the s x s output. Draws: centre (2), indices (3), order (4), then
-        random_perspective's 8, always in that order.
-        """
-        s = self.img_size
-        xc, yc = (int(v) for v in rng.uniform(0.5 * s, 1.5 * s, 2))
-        indices = np.concatenate(([index], rng.integers(0, len(self), 3)))[rng.permutation(4)]
-        img4 = np.full((2 * s, 2 * s, 3), 114, dtype=np.uint8)
-        labels4 = []
-        for k, i in enumerate(indices.tolist()):  # four tiles; boxes are handled as arrays
-            img, _ = self.load_image(i)
-            h, w = img.shape[:2]
-            if k == 0:  # top left: the tile's bottom-right corner sits on the centre
-                x1a, y1a, x2a, y2a = max(xc - w, 0), max(yc - h, 0), xc, yc
-                x1b, y1b, x2b, y2b = w - (x2a - x1a), h - (y2a - y1a), w, h
-            elif k == 1:  # top right
-                x1a, y1a, x2a, y2a = xc, max(yc - h, 0), min(xc + w, 2 * s), yc
-                x1b, y1b, x2b, y2b = 0, h - (y2a - y1a), min(w, x2a - x1a), h
-            elif k == 2:  # bottom left
-                x1a, y1a, x2a, y2a = max(xc - w, 0), yc, xc, min(2 * s, yc + h)
-                x1b, y1b, x2b, y2b = w - (x2a - x1a), 0, w, min(y2a - y1a, h)
-            else:  # bottom right
-                x1a, y1a, x2a, y2a = xc, yc, min(xc + w, 2 * s), min(2 * s, yc + h)
-                x1b, y1b, x2b, y2b = 0, 0, min(w, x2a - x1a), min(y2a - y1a, h)
-            img4[y1a:y2a, x1a:x2a] = img[y1b:y2b, x1b:x2b]
-            labels = self.labels[i].astype(np.float32)
-            if len(labels):
-                labels[:, 1:] = xywhn2xyxy(labels[:, 1:], w, h, padw=x1a - x1b, padh=y1a - y1b)
-            labels4.append(labels)
-        labels = np.concatenate(labels4, 0)
-        np.clip(labels[:, 1:], 0, 2 * s, out=labels[:, 1:])  # tiles are cut only at the canvas edge
-        return random_perspective(img4, labels, rng, **self._geometry(), border=(-s // 2, -s // 2))
-
-    def _geometry(self) -> dict[str, float]:
-        """random_perspective's gains from the hyperparameters."""
-        return {k: getattr(self.hyp, k) for k in ("degrees", "translate", "scale", "shear", "perspective")}
+    @property
+    def loaded_hw(self) -> np.ndarray:
+        """(n, 2) each image's size as ``load_image`` returns it (long side img_size)."""
+        if self._loaded_hw is None:
+            self._loaded_hw = np.array([resized_hw(int(h), int(w), self.img_size) for h, w in self.image_hw],
+                                       dtype=np.int64).reshape(-1, 2)
+        return self._loaded_hw
 
     def mosaic_enabled(self, key: SampleKey) -> bool:
         """Mosaic is used for augmented square training while the key allows it (close_mosaic).
@@ -165,48 +146,42 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         """
         return self.augment and not self.rect and key.mosaic
 
-    def __getitem__(self, item: int | tuple) -> Sample:
+    def plan(self, item: int | tuple, inputs: PlanInputs | None = None) -> SamplePlan:
+        """Sample ``item``'s plan (an index, or a ``SampleKey`` (epoch, index, mosaic, pool))."""
         key = SampleKey(*item) if isinstance(item, tuple) else SampleKey(0, item)
-        epoch, index = int(key.epoch), int(key.index)
-        rng = np.random.default_rng([self.seed, epoch, index])
-        hyp, placed = self.hyp, None  # a mosaic has no placement to map predictions back through
-        if self.augment:
-            # Decisions first, then one independent child stream per stage (spawned from this
-            # sample's seed, not drawn), so turning mixup on or changing a gain does not shift
-            # the colour or flip draws. Everything still depends only on (seed, epoch, index).
-            u = rng.random(2)  # mosaic, mixup
-            geo_rng, mix_rng, colour_rng = rng.spawn(3)
-        if self.augment and self.mosaic_enabled(key) and u[0] < hyp.mosaic:
-            img, labels = self.load_mosaic(index, geo_rng)
-            if u[1] < hyp.mixup:
-                img2, labels2 = self.load_mosaic(int(mix_rng.integers(0, len(self))), mix_rng)
-                img, labels = mixup(img, labels, img2, labels2, mix_rng)
-        else:
-            img, labels, placed = self.load_letterboxed(index)
-            if self.augment:
-                img, labels = random_perspective(img, labels, geo_rng, **self._geometry())
-        if self.augment:
-            augment_hsv(img, colour_rng, hyp.hsv_h, hyp.hsv_s, hyp.hsv_v)
-        if len(labels):
-            labels[:, 1:] = xyxy2xywhn(labels[:, 1:], w=img.shape[1], h=img.shape[0], clip=True)
-        if self.augment:
-            img, labels = random_flip(img, labels, colour_rng, hyp.fliplr, hyp.flipud)
-        labels_out = torch.zeros((len(labels), 6))
-        if len(labels):
-            labels_out[:, 1:] = torch.from_numpy(labels)
-        img = np.ascontiguousarray(img.transpose((2, 0, 1))[::-1])  # HWC BGR -> CHW RGB
-        return torch.from_numpy(img), labels_out, self.im_files[index], placed, index
+        rng = np.random.default_rng([self.seed, int(key.epoch), int(key.index)])
+        return plan_sample(inputs or self.plan_inputs(), rng, int(key.index), self.mosaic_enabled(key),
+                           key.pool if key.pool else None)
 
-    def load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, Placement]:
-        """Image ``index`` letterboxed to its input shape, its labels in pixels [cls, x1, y1, x2, y2],
-        and where the original lies in it (to map predictions back)."""
-        img, (h0, w0) = self.load_image(index)
-        h, w = img.shape[:2]
-        shape = tuple(self.batch_shapes[self.batch_index[index]]) if self.rect else self.img_size
-        img, ratio, pad = letterbox(img, shape, auto=False, scaleup=self.augment)
-        placed = Placement(orig_hw=(h0, w0), gain_hw=(h * ratio[1] / h0, w * ratio[0] / w0),
-                           pad_hw=(pad[1], pad[0]))
-        labels = self.labels[index].astype(np.float32)
-        if len(labels):
-            labels[:, 1:] = xywhn2xyxy(labels[:, 1:], ratio[0] * w, ratio[1] * h, padw=pad[0], padh=pad[1])
-        return img, labels, placed
+    def __getitem__(self, item: int | tuple) -> Sample:
+        plan = self.plan(item)
+        out = np.empty((*plan.out_hw, 3), np.uint8)
+        render(plan, TileSource(self.load_image_only), out, self._scratch)
+        labels_out = torch.zeros((len(plan.labels), 6))
+        if len(plan.labels):
+            labels_out[:, 1:] = torch.from_numpy(plan.labels)
+        return torch.from_numpy(out).permute(2, 0, 1), labels_out, self.im_files[plan.index], plan.placement, plan.index
+
+    def __getitems__(self, items: list) -> Batch:
+        """A whole batch: every image it needs read once, each sample drawn straight into the batch's
+        memory (or, with ``render_on_device``, its tiles and plans packed for the training device)."""
+        inputs = self.plan_inputs()
+        plans = [self.plan(item, inputs) for item in items]
+        tiles = TileSource(self.load_image_only)
+        common = dict(targets=batch_targets(plans), paths=tuple(self.im_files[p.index] for p in plans),
+                      placements=tuple(p.placement for p in plans),
+                      indices=torch.tensor([p.index for p in plans], dtype=torch.long))
+        if self.render_on_device:
+            return Batch(images=None, deferred=pack(plans, tiles, self.memory), **common)
+        h, w = plans[0].out_hw
+        if any(p.out_hw != (h, w) for p in plans):
+            raise ValueError(f"samples of one batch differ in size: {sorted({p.out_hw for p in plans})}")
+        images = self.memory.take(len(plans) * h * w * 3).view(len(plans), h, w, 3)
+        pixels = images.numpy()
+        for k, plan in enumerate(plans):
+            render(plan, tiles, pixels[k], self._scratch)
+        return Batch(images=images.permute(0, 3, 1, 2), **common)
+
+    def load_image_only(self, i: int) -> np.ndarray:
+        """``load_image`` without the original size (what rendering needs)."""
+        return self.load_image(i)[0]

@@ -10,9 +10,10 @@ import math
 import os
 import signal
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import cv2
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -21,48 +22,37 @@ from utils.core.dist import DistInfo, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
+from utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
-from utils.data.geometry import Placement
 from utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
-class Batch(NamedTuple):
-    """One collated batch. targets rows are [image index in batch, cls, xc, yc, w, h] normalised."""
-
-    images: torch.Tensor  # uint8 (B, 3, H, W) RGB
-    targets: torch.Tensor  # float32 (N, 6)
-    paths: tuple[str, ...]
-    placements: tuple[Placement | None, ...]  # where each original image lies in ``images``; None for a mosaic
-    indices: torch.Tensor  # int64 (B,) dataset indices
-
-
-def collate_fn(batch: list[tuple]) -> Batch:
-    """Stack images and concatenate labels, tagging each label row with its image's batch position."""
-    images, labels, paths, placements, indices = zip(*batch)
-    targets = []
-    for i, lb in enumerate(labels):
-        lb = lb.clone()
-        lb[:, 0] = i
-        targets.append(lb)
-    return Batch(torch.stack(images, 0), torch.cat(targets, 0).float(), tuple(paths), tuple(placements),
-                 torch.as_tensor(indices, dtype=torch.long))
+PREFETCH = 2  # batches each worker prepares ahead (the DataLoader's prefetch_factor)
+SLOTS = PREFETCH + 2  # reused batch buffers per loader process: the prefetched ones, the one in use, one spare
+MOSAIC_POOL = 16  # images per mosaic pool: a divisor of the usual per-rank batch sizes (16, 32, 64, ...)
 
 
 class TrainSampler(Sampler):
-    """Per-epoch seeded permutation, padded (or cut) to a multiple of world size, rank takes every ws-th.
+    """Per-epoch seeded permutation, padded (or cut) to a multiple of world size; each global batch is cut
+    into one contiguous block per rank.
 
-    Yields ``SampleKey(epoch, index, mosaic)`` so the dataset seeds augmentation from the sample, not
-    the worker, and follows close_mosaic (``mosaic_off_from_epoch``, read here in the main process).
-    Call ``set_epoch`` before each epoch, as with DistributedSampler; ``skip`` starts the epoch
-    part-way (a resumed mid-epoch checkpoint), at the same samples the uninterrupted run reaches.
+    Yields ``SampleKey(epoch, index, mosaic, pool)`` so the dataset seeds augmentation from the sample, not
+    the worker, and follows close_mosaic (``mosaic_off_from_epoch``, read here in the main process). ``pool``
+    holds the other images of the sample's block of ``pool`` consecutive places in the permutation: a
+    mosaic takes its partners there, so when the per-rank batch is a multiple of ``pool`` every partner is
+    an image the same batch reads anyway (one image read per sample instead of four). The pool depends on
+    the place in the permutation only, so a sample is the same for any world size.
+    Call ``set_epoch`` before each epoch, as with DistributedSampler; ``skip`` starts the epoch part-way (a
+    resumed mid-epoch checkpoint), at the same samples the uninterrupted run reaches.
     """
 
     def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False) -> None:
+                 shuffle: bool = True, drop_last: bool = False, batch_size: int = 1, pool: int = MOSAIC_POOL) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.shuffle, self.drop_last, self.epoch, self.skip = shuffle, drop_last, 0, 0
+        self.batch_size, self.pool = max(int(batch_size), 1), int(pool)
         self.mosaic_off_from_epoch: int | None = None  # close_mosaic: no mosaic from this epoch on
         self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
         self.total_size = self.num_samples * world_size
@@ -83,23 +73,50 @@ class TrainSampler(Sampler):
     def load_state_dict(self, state: dict) -> None:
         self.mosaic_off_from_epoch = state["mosaic_off_from_epoch"]
 
+    def permutation(self) -> np.ndarray:
+        """This epoch's order of the dataset (unpadded)."""
+        if not self.shuffle:
+            return np.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g).numpy()
+
     def global_indices(self) -> list[int]:
-        """This epoch's padded (or truncated) order across all ranks."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(self.n, generator=g).tolist()
-        else:
-            indices = list(range(self.n))
-        if self.total_size > len(indices) and indices:  # pad by repeating from the start
-            reps = math.ceil((self.total_size - len(indices)) / len(indices))
-            indices += (indices * reps)[: self.total_size - len(indices)]
-        return indices[: self.total_size]
+        """This epoch's padded (or truncated) order across all ranks: the permutation, repeated from its start."""
+        if not self.n:
+            return []
+        return self.permutation()[np.arange(self.total_size) % self.n].tolist()
+
+    def positions(self) -> np.ndarray:
+        """This rank's places in the padded order: its block of each global batch (the last one, shorter,
+        split evenly: its length is a multiple of the world size)."""
+        p = np.arange(self.total_size)
+        g = self.batch_size * self.world_size
+        first = p // g * g
+        per_rank = np.minimum(g, self.total_size - first) // self.world_size
+        return p[(p - first) // per_rank == self.rank]
+
+    def pools(self, perm: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """(k, pool - 1) each position's mosaic pool: the other images of its block of ``pool`` places of the
+        permutation (a padded place repeats its original's; the last block is the permutation's last ``pool``)."""
+        size = min(self.pool, self.n)
+        q = positions % self.n
+        start = np.minimum(q // size * size, self.n - size)
+        block = start[:, None] + np.arange(size)
+        others = block[block != q[:, None]].reshape(len(q), size - 1)
+        return perm[others]
 
     def __iter__(self) -> Iterator[SampleKey]:
-        epoch = self.epoch
-        off = self.mosaic_off_from_epoch
+        epoch, off = self.epoch, self.mosaic_off_from_epoch
         mosaic = off is None or epoch < off
-        return iter([SampleKey(epoch, i, mosaic) for i in self.global_indices()[self.rank::self.world_size][self.skip:]])
+        if not self.n:
+            return iter([])
+        perm = self.permutation()
+        positions = self.positions()[self.skip:]
+        indices = perm[positions % self.n].tolist()
+        if not (mosaic and self.pool > 1):
+            return iter([SampleKey(epoch, i, mosaic) for i in indices])
+        pools = self.pools(perm, positions).tolist()
+        return iter([SampleKey(epoch, i, mosaic, tuple(pool)) for i, pool in zip(indices, pools)])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -149,7 +166,8 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
                       single_cls: bool = False, hyp: Hyp | None = None, augment: bool = False,
                       cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
                       shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
-                      prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None) -> DataLoader:
+                      prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None,
+                      reuse_memory: bool = False, render_on_device: bool = False) -> DataLoader:
     """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank.
 
     The dataset is ``loader.dataset``. ``shuffle=True`` marks a training loader (TrainSampler, equal
@@ -157,6 +175,10 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     (InferenceSampler; no labels is a warning). Local rank 0 scans and caches first. ``report_dir``:
     the run folder, where rank 0 writes the full list of the split's problems. ``pin_memory``: page-locked
     batches for CUDA; by default only once this process uses CUDA (``pins_by_default``).
+    ``reuse_memory``: the consumer lets go of each batch before it asks for the next but one (the training
+    loop and evaluation do), so the loader writes batches into a ring of reused buffers; pinned batches are
+    copies, so they reuse it anyway. ``render_on_device``: batches carry tiles and plans for
+    utils/data/device_augment.py instead of pixels.
     """
     training = shuffle
     if rect and shuffle:
@@ -179,17 +201,20 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     batch_size = min(batch_size, len(dataset))
     ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
+    pin = pins_by_default() if pin_memory is None else pin_memory
     if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
         dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
                                          image_hw=dataset.image_hw, path=path, prefix=prefix,
-                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz))
+                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS))
+    dataset.memory = BatchMemory(reuse=reuse_memory or pin, slots=SLOTS)
+    dataset.render_on_device = bool(render_on_device and augment)
     if training:
         sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,
-                                        drop_last=rect and info.world_size > 1)
+                                        drop_last=rect and info.world_size > 1, batch_size=batch_size)
     else:
         sampler = InferenceSampler(len(dataset), batch_size, info.rank, info.world_size)
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw,
-                      pin_memory=pins_by_default() if pin_memory is None else pin_memory, collate_fn=collate_fn,
-                      persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw, pin_memory=pin,
+                      collate_fn=collate_fn, persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None,
+                      prefetch_factor=PREFETCH if nw > 0 else None)

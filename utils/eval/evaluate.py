@@ -141,7 +141,7 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
             times += (t1 - t0, t2 - t1, t3 - t2)
             timed_images += len(imgs)
         if info.is_main and n_batches < opts.keep_batches:  # rank 0 holds the split's first batches
-            batches.append(SampleBatch(batch.images, batch.targets, batch.paths, dets))
+            batches.append(SampleBatch(batch.images.clone(), batch.targets, batch.paths, dets))  # loader memory is reused
         n_batches += 1
         for det, index, placed in zip(host_dets, batch.indices.tolist(), batch.placements):
             pred = unletterbox(det, placed)
