@@ -36,7 +36,7 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
 # --compile computes the same functions; like --device and --threads it can change the order of float
 # operations (inductor fuses kernels), so a resume that switches it is exact in maths, not in bits.
-RESUME_HARMLESS = {"device", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
+RESUME_HARMLESS = {"device", "augment_on", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
                    "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
                    "compile", "tensorboard", "mlflow"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
@@ -121,7 +121,16 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
         batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,
                                 info.world_size, amp, channels_last)
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": channels_last, "amp": amp, "batch_size": batch})
+                        "channels_last": channels_last, "amp": amp, "batch_size": batch,
+                        "augment_on": augment_default(args.augment_on, device)})
+
+
+def augment_default(flag: str, device: torch.device) -> str:
+    """--augment-on auto: the training device draws the augmented pixels on CUDA (its loader workers then only
+    read images), the loader workers do on a CPU run (there both share the same cores)."""
+    if flag != "auto":
+        return flag
+    return "device" if device.type == "cuda" else "workers"
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:

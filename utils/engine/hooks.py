@@ -94,9 +94,11 @@ class RunPlots:
         if self.enabled and not (self.dir / "labels.jpg").exists():
             plot_labels(dataset.labels, self.names, self.dir / "labels.jpg")
 
-    def train_batch(self, batch, ni: int) -> None:
+    def train_batch(self, batch, ni: int, imgs) -> None:
+        """train_batch0-2.jpg: the loader's pixels, or the device's (``imgs``) when it drew them."""
         if self.enabled and ni < 3:
-            plot_images(batch.images, batch.targets, batch.paths, self.names, self.dir / f"train_batch{ni}.jpg")
+            plot_images(batch.images if batch.images is not None else imgs, batch.targets, batch.paths, self.names,
+                        self.dir / f"train_batch{ni}.jpg")
 
     def validation(self, result: EvalResult) -> None:
         if self.enabled:

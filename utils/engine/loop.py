@@ -23,6 +23,7 @@ from utils.core import dist
 from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
+from utils.data.device_augment import render_batch
 from utils.engine.hooks import EpochVerdict, Hooks
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
@@ -213,7 +214,7 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, batch, i: int, ni: int) 
     if ni <= t.lr.warmup.iters:
         loop.accumulate = max(1, round(float(np.interp(ni, [0, t.lr.warmup.iters], [1, t.accumulate]))))
     steps = ni - loop.last_opt_step >= loop.accumulate or i == t.batches_per_epoch - 1
-    hooks.plots.train_batch(batch, ni)
+    hooks.plots.train_batch(batch, ni, imgs)
     quiet = t.model.no_sync() if not steps and isinstance(t.model, DDP) else contextlib.nullcontext()
     with quiet, t.autocast():
         pred = t.model(imgs)
@@ -242,8 +243,12 @@ def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int)
 
 
 def prepare_images(t: Training, batch) -> torch.Tensor:
-    """uint8 batch -> float 0-1 on the device, in the run's memory format (no copy in the default one)."""
-    imgs = batch.images.to(t.device, non_blocking=True).float().div_(255)
+    """The batch as float 0-1 on the device, in the run's memory format: the loader's uint8 pixels, or
+    (--augment-on device) the pixels the device draws from the batch's tiles and plans."""
+    if batch.deferred is not None:
+        imgs = render_batch(batch.deferred, t.device)
+    else:
+        imgs = batch.images.to(t.device, non_blocking=True).float().div_(255)
     return imgs.contiguous(memory_format=t.memory_format)
 
 
@@ -361,7 +366,7 @@ class ProgressBar:
         left = seconds * (self.nb - i - 1) + (state.epochs - state.epoch - 1) * per_epoch
         losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss))
         self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
-                                 f"{len(batch.images) * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
+                                 f"{batch.size * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
                                  refresh=False)
 
     def close(self) -> None:

@@ -201,9 +201,11 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
     """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded)."""
     common = dict(stride=grid, single_cls=opt.single_cls, info=info, workers=opt.workers, seed=opt.seed,
                   nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
-                  pin_memory=device.type == "cuda")  # a CPU run on a GPU host opens no CUDA context
+                  pin_memory=device.type == "cuda",  # a CPU run on a GPU host opens no CUDA context
+                  reuse_memory=True)  # the loop and evaluation let go of each batch before the next but one
     train_loader = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
-                                     shuffle=True, prefix="train: ", **common)
+                                     shuffle=True, prefix="train: ", render_on_device=opt.augment_on == "device",
+                                     **common)
     val_loader = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ",
                                    **common)
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
