@@ -1,5 +1,6 @@
 """Box formats, IoU, NMS and the one post-processing step every caller uses. IoU and NMS come from
-torchvision.ops (one well-kept implementation)."""
+torchvision.ops (one well-kept implementation), driven so that NMS gives the same detections on every
+device (``_nms_ranked``)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,9 @@ def non_max_suppression(
     Rows are box centre, size (input pixels) and one score per class, the form every head decodes
     to (models/heads/base.py; the anchor head's scores are objectness x class). multi_label keeps every class above conf_thres for a box
     (what mAP evaluation wants). No wall-clock limit: results never depend on machine speed.
+    Each image's detections come best first, equal scores in the order of their rows (a box's
+    classes in class order under multi_label), and are a function of the values alone: the same
+    on CPU and CUDA, whatever the number of candidates (see ``_nms_ranked``).
     On CPU the images of a batch run on torch's intra-op thread count in parallel: torchvision's
     NMS kernel is single-threaded and releases the GIL, and each image's result is computed
     exactly as it would be alone.
@@ -100,11 +104,60 @@ def _nms_image(x: torch.Tensor, conf_thres: float, iou_thres: float, classes: li
         x = x[(x[:, 5:6] == torch.tensor(classes, device=x.device)).any(1)]
     if not x.shape[0]:
         return torch.zeros((0, 6), device=x.device)
-    if x.shape[0] > max_nms:  # keep the most confident before the O(n^2) step
-        x = x[x[:, 4].argsort(descending=True)[:max_nms]]
+    # Best first, equal scores in row order (a stable sort): the max_nms cut before the O(n^2) step and the
+    # order of the results follow from the values alone, on every device.
+    x = x[torch.sort(x[:, 4], descending=True, stable=True).indices[:max_nms]]
     group = torch.zeros_like(x[:, 5]) if agnostic else x[:, 5]
-    keep = torchvision.ops.batched_nms(x[:, :4], x[:, 4], group, iou_thres)[:max_det]
-    return x[keep]
+    return x[_nms_ranked(x[:, :4], group, iou_thres)[:max_det]]
+
+
+# Above this many boxes _nms_ranked runs one NMS call per group, below it one call for all (the same rows
+# either way): torchvision's own switch points, from its benchmarks (ops.boxes.batched_nms).
+ONE_NMS_CALL_MAX = {"cpu": 1000, "cuda": 25000}
+
+
+def _nms_ranked(boxes: torch.Tensor, group: torch.Tensor, iou_thres: float) -> torch.Tensor:
+    """Greedy NMS within each group of ``boxes`` (n, 4) xyxy, taken in row order (row 0 first) -> the kept
+    rows, ascending. The same arithmetic on every device, so CPU and CUDA keep the same rows:
+
+    - boxes are shifted by group * span (torchvision's coordinate trick: one NMS call for all groups),
+      span exceeding the coordinates' extent so boxes of different groups never overlap; span is
+      torchvision's max + 1 when no coordinate is negative (the case it is written for), else
+      max - min + 1 (max + 1 would let a group's boxes with negative corners overlap the previous group's);
+    - the scores handed to torchvision are n, n-1, ..., 1, strictly decreasing, so its internal sort
+      (not promised stable on either device) has no ties to reorder and rows are visited in the order given;
+    - the IoU threshold is rounded to float32 first: the CUDA kernel compares with a float, the CPU one
+      with a double, so an IoU of exactly float32(0.6) would be suppressed on the CPU only.
+
+    torchvision.ops.batched_nms instead switches algorithm by device and size (a loop over classes on CPU
+    above 1000 boxes, the trick below that and on CUDA up to 25000), with ties in its sorts resolved
+    differently on each: the detections differed between CPU and CUDA. Shifted boxes of different groups
+    never overlap, so NMS group by group on the shifted boxes keeps exactly the rows one call keeps: that is
+    done above ONE_NMS_CALL_MAX boxes, as one call costs O(n^2) over all groups (on CPU, 30000 boxes of 80
+    classes take ~17x longer in one call than group by group). The CUDA kernel may compute its IoU with fused
+    multiply-adds (nvcc's default), so an IoU within a rounding step of the threshold could still be
+    decided differently there.
+    """
+    n = boxes.shape[0]
+    if n > 2 ** 24:  # the ranks are exact in float32 up to 2^24
+        raise ValueError(f"{n} boxes for one NMS call; at most 2^24 (lower max_nms)")
+    if boxes.dtype != torch.float64:
+        boxes = boxes.float()  # torchvision's CPU kernel has no fp16; ranks need float32's integers
+    if not n:
+        return torch.zeros(0, dtype=torch.long, device=boxes.device)
+    lo, hi = boxes.min(), boxes.max()  # tensors: no host synchronisation on CUDA
+    span = torch.where(lo >= 0, hi + 1, hi - lo + 1)
+    shifted = boxes + (group.to(boxes) * span)[:, None]
+    rank = torch.arange(n, 0, -1, dtype=boxes.dtype, device=boxes.device)
+    iou = float(np.float32(iou_thres))
+    if n <= ONE_NMS_CALL_MAX.get(boxes.device.type, 25000):
+        return torchvision.ops.nms(shifted, rank, iou)
+    kept = torch.zeros(n, dtype=torch.bool, device=boxes.device)
+    by_group = torch.sort(group, stable=True).indices  # rows of a group stay in row order
+    sizes = torch.unique_consecutive(group[by_group], return_counts=True)[1].tolist()
+    for rows in by_group.split(sizes):
+        kept[rows[torchvision.ops.nms(shifted[rows], rank[rows], iou)]] = True
+    return kept.nonzero().squeeze(1)
 
 
 
