@@ -1,24 +1,41 @@
 #!/usr/bin/env python
 """GPU training throughput, side by side with Ultralytics 8.4.190: train and validation images/s,
-the loader's share of a step, peak GPU memory and model-FLOP utilisation, for each model.
+the loader's share of a step, peak GPU memory and model-FLOP utilisation, for each model, at one or
+more loader worker counts, for one or more configurations of ours.
 
     U=/work/ultra-venv/bin/python
     python bench/gpu_train.py --ultralytics-python $U                       # yolov5n yolov8n yolo11n, 640, batch 64
-    python bench/gpu_train.py --ultralytics-python $U --models yolov8n --epochs 3 --steps 60
+    python bench/gpu_train.py --ultralytics-python $U --models yolov8n yolo26n --epochs 3 --steps 60
+    python bench/gpu_train.py --ultralytics-python $U --models yolov8n --workers 2 4 8 --cache ram \\
+        --ours-variant cpu-aug="--augment-on workers" --ours-variant gpu-aug="--augment-on device"
     python bench/gpu_train.py --only ours --device cpu --models yolov8n --imgsz 64 --batch-size 4 \\
-        --steps 4 --warmup 1 --n-val 8 --workers 0                          # CPU smoke run: not GPU figures
+        --steps 4 --warmup 1 --n-val 8 --workers 0 1                        # CPU smoke run: not GPU figures
 
 Without CUDA it refuses (one line, exit 2) unless --device cpu is given; a CPU run says that its
 figures are not GPU figures.
 
-How each tool runs. Both train the same images (each its own copy: both write label caches), from
-scratch, at the same image size, batch, epochs, seed and loader workers, validating after every epoch
-at 2 x batch (Ultralytics' validation batch in training), with mosaic in every epoch (ours: the
-sampler's mosaic_off_from_epoch cleared after build_training, as bench/train_speed.py does;
-Ultralytics: close_mosaic=0; --no-mosaic leaves each tool's close_mosaic, which for runs this short
-turns mosaic off from the start in both). Everything else is each tool's default (optimizer, LR,
-Ultralytics' deterministic=True). Each tool runs its own entry point unchanged inside a small timing
-shim (its own interpreter, a subprocess):
+What runs. For each model and each --workers count, every contender trains once, in this order:
+each ours variant, then Ultralytics. A variant (--ours-variant NAME=FLAGS, repeatable) is one ours
+configuration: FLAGS (shell-split) are appended to train.py's arguments and NAME labels its column;
+with none given there is one variant, "ours", with no extra flags. FLAGS are checked against
+train.py's parser before anything runs, and may not set what this script sets for both tools
+(--cfg, --data, --imgsz, --batch-size, --val-batch-size, --epochs, --device, --workers, --seed and
+the run folder): those would break the comparison or the figures.
+--models: yolov5<size>[u], yolov8<size>, yolo11<size>, yolo26<size> (size n s m l x) and
+yolov10<size> (n s m b l x); ours trains models/<name>.yaml through train.py's --cfg lookup (a
+family file at that scale, e.g. yolo26.yaml at n, or yolov10n.yaml itself), Ultralytics its
+built-in <name>.yaml.
+--cache ram|disk caches decoded images in both tools (ours --cache, Ultralytics cache=); a variant
+may pass its own --cache, which then wins for that variant.
+
+How each tool runs. Both train the same images (each run its own copy: both write label caches),
+from scratch, at the same image size, batch, epochs, seed and loader workers, validating after
+every epoch at 2 x batch (Ultralytics' validation batch in training), with mosaic in every epoch
+(ours: the sampler's mosaic_off_from_epoch cleared after build_training, as bench/train_speed.py
+does; Ultralytics: close_mosaic=0; --no-mosaic leaves each tool's close_mosaic, which for runs this
+short turns mosaic off from the start in both). Everything else is each tool's default (optimizer,
+LR, Ultralytics' deterministic=True). Each tool runs its own entry point unchanged inside a small
+timing shim (its own interpreter, a subprocess):
   ours         train.py's ``train.cli`` (so train.py's engine: build_training, run_epochs, AMP + GradScaler);
                the shim wraps the loop's module-level ``utils.engine.loop.fetch_batches`` (every batch:
                when the loop asked for it, when it got it) and ``utils.engine.loop.evaluate_model``
@@ -26,12 +43,13 @@ shim (its own interpreter, a subprocess):
   ultralytics  ``ultralytics.cfg.entrypoint`` (the ``yolo`` command) with device=0, in its own venv;
                callbacks on_train_epoch_start / on_train_batch_start / on_train_batch_end /
                on_train_epoch_end give the same per-batch stamps, BaseValidator.__call__ each
-               validation. Its check_amp is replaced by "AMP as requested": the real check downloads
-               yolo11n.pt, and the GPU machine is offline.
+               validation (and the precision the validator recorded: ``args.quantize`` in 8.4,
+               ``args.half`` before it). Its check_amp is replaced by "AMP as requested": the real
+               check downloads yolo11n.pt, and the GPU machine is offline.
 yolov5n: ours is the anchor-based YOLOv5 head; Ultralytics' yolov5n.yaml is its anchor-free "u" form
 (--models yolov5nu trains that form on both sides). Every other name is the same architecture.
 
-Figures (per model, per tool):
+Figures (per model, worker count and contender):
   train img/s      steady state: images of the timed steps / their summed step times. A step's time
                    runs from the loop asking for its batch to the loop asking for the next one, so it
                    holds the loader wait, forward, loss, backward, optimizer step, EMA and logging.
@@ -39,7 +57,8 @@ Figures (per model, per tool):
                    allocator) and each epoch's last step (a partial batch, the epoch's closing work).
   val img/s        validation images / seconds of the validation pass in training (the EMA model over
                    the val split, metrics included), mean over epochs 2.. (epoch 1's only with one
-                   epoch). Ultralytics validates in fp16 under AMP, ours in fp32 on CUDA: printed.
+                   epoch). Its precision is printed: under AMP on CUDA ours runs fp16 weights,
+                   Ultralytics 8.4 fp16 autocast over fp32 weights (older versions: fp16 weights).
   data wait        time the training loop was blocked waiting for the loader / step time, over the
                    timed steps (host time: CUDA kernels queued before the wait still run during it).
   peak GPU MiB     torch.cuda.max_memory_allocated of the tool's process, read after every training
@@ -52,7 +71,14 @@ Figures (per model, per tool):
                    for a device not listed).
   MFU matmul       the same over the throughput of a large fp16 matmul (8192^3) timed in this run
                    before the models (CPU: fp32 2048^3): what the device delivers to a best case.
-  ratio            ours / Ultralytics (img/s and MFU: > 1 ours faster; data wait and memory: < 1 ours less).
+  ratio            variant / Ultralytics at the same worker count (img/s and MFU: > 1 ours faster;
+                   data wait and memory: < 1 ours less).
+
+The report, per model: the worker curve (one row per --workers count: each contender's train img/s
+and data-wait share, and each variant's img/s ratio to Ultralytics; a line names any run whose
+loader used another worker count than asked, e.g. Ultralytics on CPU, which forces 0), then the
+full table of every figure at the largest worker count, with each contender's train and validation
+precision. --json writes every figure of every run.
 
 On a lent GPU machine (no internet there; the ``run`` tool copies this working tree, plus up to 8
 ignored paths named in its carry list, 64 MiB in all):
@@ -68,8 +94,9 @@ ignored paths named in its carry list, 64 MiB in all):
     used when its package cache (--photo-cache, its .deb files) is here: carry that folder (it is
     tens of MiB), or carry a built dataset and pass --data.
   * ours needs only this repository and the machine's torch (+ this repo's requirements).
-A run alone on the machine: the default (3 models, 2 epochs of 40 steps at batch 64, 640 px) takes a
-few minutes per model and tool.
+A run alone on the machine: the default (3 models, 2 epochs of 40 steps at batch 64, 640 px, one
+worker count) takes a few minutes per model and contender; each extra worker count or variant
+adds as many runs again.
 """
 from __future__ import annotations
 
@@ -77,13 +104,14 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -95,9 +123,15 @@ from bench.compare_ultralytics import copy_dataset, source_dataset, ultralytics_
 from bench.compare_yolov5 import base_env, write_yaml  # noqa: E402
 from bench.train_speed import _timed_rate  # noqa: E402
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from utils.core.errors import UserError  # noqa: E402
 
 EXIT_NO_CUDA = 2
-MODELS = re.compile(r"(yolov8|yolo11)[nslmx]|yolov5[nslmx]u?")
+MODELS = re.compile(r"(yolov8|yolo11|yolo26)[nslmx]|yolov5[nslmx]u?|yolov10[nsmblx]")
+ULTRALYTICS = "ultralytics"
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # also a folder name
+# train.py destinations this script sets for both tools: a variant may not change them.
+BENCH_SETS = ("cfg", "data", "imgsz", "batch_size", "val_batch_size", "epochs", "device", "workers", "seed",
+              "project", "name", "exist_ok")
 PHOTO_PACKAGES = ("tuxpaint-stamps-default", "tuxpaint-data", "mate-backgrounds", "plasma-workspace-wallpapers")
 
 # Peak dense (no structured sparsity) fp16/bf16 tensor-core TFLOPS with fp32 accumulation, from the
@@ -143,8 +177,9 @@ if mode == "ours":
         t = inner_build(*a, **k)
         if mosaic:
             t.train_loader.sampler.load_state_dict({"mosaic_off_from_epoch": None})
+        val_precision = ("fp16 weights" if t.device.type == "cuda" else "bf16 autocast") if t.val_half else "fp32"
         facts.update(gflops=t.model_info.gflops * (t.imgsz / t.cfg.imgsz) ** 2, amp=bool(t.amp),
-                     val_half=bool(t.val_half), workers=t.train_loader.num_workers, device=str(t.device))
+                     val_precision=val_precision, workers=t.train_loader.num_workers, device=str(t.device))
         return t
     def fetch_batches(*a, **k):
         ep = {"asks": [], "gots": [], "end": None}
@@ -181,10 +216,13 @@ elif mode == "ultralytics":
     from ultralytics.utils.callbacks import base as callbacks
     from ultralytics.utils.torch_utils import get_flops
     inner_val = BaseValidator.__call__
+    def precision_args(args):  # 8.4 records args.quantize, older versions args.half: whichever it has
+        return {k: getattr(args, k) for k in ("quantize", "half") if hasattr(args, k)}
     def timed_val(self, *a, **k):
         t0 = now()
         out = inner_val(self, *a, **k)
-        vals.append({"start": t0, "end": now(), "n": len(self.dataloader.dataset), "half": bool(self.args.half)})
+        vals.append({"start": t0, "end": now(), "n": len(self.dataloader.dataset),
+                     "precision": precision_args(self.args)})
         peak()
         return out
     BaseValidator.__call__ = timed_val
@@ -212,12 +250,32 @@ else:
 '''
 
 
+class Contender(NamedTuple):
+    """One column of the report: an ours variant (train.py plus its extra flags) or Ultralytics."""
+
+    label: str
+    tool: str  # the shim's mode: "ours" or "ultralytics"
+    flags: tuple[str, ...] = ()
+
+
 def model_name(text: str) -> str:
-    """--models entry: yolov5<size>[u], yolov8<size> or yolo11<size>."""
+    """--models entry: a name both tools build (module docstring)."""
     if not MODELS.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected yolov5<size>, yolov5<size>u, yolov8<size> or "
-                                         "yolo11<size>, size one of n s m l x")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected yolov5<size>, yolov5<size>u, yolov8<size>, yolo11<size>, "
+                                         "yolo26<size> (size one of n s m l x) or yolov10<size> (n s m b l x)")
     return text
+
+
+def ours_variant(text: str) -> Contender:
+    """--ours-variant NAME=FLAGS: FLAGS shell-split, so quoted values survive; they may be empty."""
+    name, sep, flags = text.partition("=")
+    if not sep or not VARIANT_NAME.fullmatch(name) or name == ULTRALYTICS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=FLAGS, NAME of letters, digits, '_.+-' and not "
+                                         f"{ULTRALYTICS!r}")
+    try:
+        return Contender(name, "ours", tuple(shlex.split(flags)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,19 +294,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--photo-cache", default=str(Path(tempfile.gettempdir()) / "photo_dataset_cache"),
                    help="bench/photo_dataset.py's --cache (its .deb files)")
     p.add_argument("--ultralytics-python", default=None, help="python of the venv with ultralytics 8.4.190")
-    p.add_argument("--only", choices=("ours", "ultralytics"), default=None, help="run one tool only")
+    p.add_argument("--only", choices=("ours", ULTRALYTICS), default=None, help="run one tool only")
+    p.add_argument("--ours-variant", action="append", type=ours_variant, default=None, metavar="NAME=FLAGS",
+                   help="an ours run labelled NAME with FLAGS appended to train.py's arguments; repeatable; "
+                        "none given: one variant 'ours' with no extra flags")
     p.add_argument("--device", default="0", help="CUDA device index, or cpu for a smoke run (not GPU figures)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision for both (default: train.py's for the device: on with CUDA)")
     p.add_argument("--mosaic", action=argparse.BooleanOptionalAction, default=True,
                    help="mosaic in every epoch for both (--no-mosaic: each tool's close_mosaic)")
-    p.add_argument("--workers", type=Range(int, min=0), default=8, help="loader workers given to both")
+    p.add_argument("--workers", nargs="+", type=Range(int, min=0), default=[8],
+                   help="loader worker counts: every contender trains once per count")
+    p.add_argument("--cache", choices=("ram", "disk"), default=None,
+                   help="cache decoded images in both tools (ours --cache, Ultralytics cache=)")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--ref-seconds", type=Range(float, min=0.1), default=2.0, help="time spent timing the matmul")
     p.add_argument("--workdir", default=None, help="datasets, runs and logs (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the default temp work dir")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     return p
+
+
+def variant_problem(flags: tuple[str, ...]) -> str | None:
+    """Why a variant's flags cannot run: train.py refuses them, or they set what this script sets for
+    both tools; None when they are fine. Checked up front: a bad flag would otherwise fail mid-run."""
+    import train
+
+    p = train.build_parser()
+    p.raise_errors = True
+    unset = object()  # argparse only fills defaults that the namespace lacks: what stays unset, FLAGS left alone
+    try:
+        ns = p.parse_args(list(flags), namespace=argparse.Namespace(**dict.fromkeys(BENCH_SETS, unset)))
+    except UserError as e:
+        return f"train.py refuses them: {e}"
+    flag = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    taken = [flag.get(d, d) for d in BENCH_SETS if getattr(ns, d) is not unset]
+    if taken:
+        return f"they set {', '.join(taken)}, which gpu_train.py sets for both tools"
+    return None
+
+
+def contenders(opt: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Contender]:
+    """The report's columns in run order: the ours variants, then Ultralytics (as --only allows)."""
+    variants = opt.ours_variant or [Contender("ours", "ours")]
+    names = [v.label for v in variants]
+    if len(set(names)) != len(names):
+        parser.error(f"argument --ours-variant: names must differ, got {' '.join(names)}")
+    for v in variants:
+        problem = variant_problem(v.flags)
+        if problem:
+            parser.error(f"argument --ours-variant: {v.label}={shlex.join(v.flags)}: {problem}")
+    ours = variants if opt.only in (None, "ours") else []
+    return ours + ([Contender(ULTRALYTICS, ULTRALYTICS)] if opt.only in (None, ULTRALYTICS) else [])
 
 
 def check_device(opt: argparse.Namespace) -> torch.device:
@@ -327,22 +424,27 @@ def source_yaml(opt: argparse.Namespace, work: Path) -> tuple[Path, str]:
 # ---------------------------------------------------------------------------------------------- running
 
 
-def tool_args(tool: str, model: str, opt: argparse.Namespace, device: torch.device, data: Path,
-              project: Path) -> list[str]:
-    """One tool's shim mode flag and training arguments (see the docstring for what is set and why)."""
-    dev = "cpu" if device.type == "cpu" else str(device.index)
-    if tool == "ultralytics":
-        amp = opt.amp if opt.amp is not None else device.type == "cuda"
-        yaml_name = model[:-1] if model.startswith("yolov5") and model.endswith("u") else model  # its v5 is 'u'
-        return ["amp" if amp else "no-amp", "detect", "train", f"model={yaml_name}.yaml", "pretrained=False",
-                f"data={data}", f"imgsz={opt.imgsz}", f"batch={opt.batch_size}", f"epochs={opt.epochs}",
-                f"device={dev}", f"workers={opt.workers}", f"seed={opt.seed}", f"amp={amp}", "plots=False",
-                "exist_ok=True", f"project={project}", "name=train", *(["close_mosaic=0"] if opt.mosaic else [])]
+def ultralytics_args(model: str, opt: argparse.Namespace, workers: int, dev: str, data: Path,
+                     project: Path) -> list[str]:
+    """Ultralytics' shim mode flag (AMP as requested) and its ``yolo`` arguments."""
+    amp = opt.amp if opt.amp is not None else dev != "cpu"
+    yaml_name = model[:-1] if model.startswith("yolov5") and model.endswith("u") else model  # its v5 is 'u'
+    return ["amp" if amp else "no-amp", "detect", "train", f"model={yaml_name}.yaml", "pretrained=False",
+            f"data={data}", f"imgsz={opt.imgsz}", f"batch={opt.batch_size}", f"epochs={opt.epochs}",
+            f"device={dev}", f"workers={workers}", f"seed={opt.seed}", f"amp={amp}", "plots=False",
+            "exist_ok=True", f"project={project}", "name=train", *(["close_mosaic=0"] if opt.mosaic else []),
+            *([f"cache={opt.cache}"] if opt.cache else [])]
+
+
+def ours_args(model: str, opt: argparse.Namespace, workers: int, dev: str, data: Path, project: Path,
+              flags: tuple[str, ...]) -> list[str]:
+    """Our shim mode flag (mosaic or not) and train.py's arguments, the variant's flags last so they win."""
     return ["mosaic" if opt.mosaic else "no-mosaic", "--cfg", str(ROOT / "models" / f"{model}.yaml"),
             "--data", str(data), "--imgsz", str(opt.imgsz), "--batch-size", str(opt.batch_size),
             "--val-batch-size", str(2 * opt.batch_size), "--epochs", str(opt.epochs), "--device", dev,
-            "--workers", str(opt.workers), "--seed", str(opt.seed), "--noplots", "--project", str(project),
-            "--name", "train", "--exist-ok", *([] if opt.amp is None else ["--amp" if opt.amp else "--no-amp"])]
+            "--workers", str(workers), "--seed", str(opt.seed), "--noplots", "--project", str(project),
+            "--name", "train", "--exist-ok", *([] if opt.amp is None else ["--amp" if opt.amp else "--no-amp"]),
+            *(["--cache", opt.cache] if opt.cache else []), *flags]
 
 
 def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], folder: Path) -> dict:
@@ -381,35 +483,63 @@ def step_figures(epochs: list[dict], warmup: int, batch: int) -> dict[str, float
     return {"train_img_s": images / seconds, "data_wait": wait / seconds, "timed_steps": steps}
 
 
-def val_figures(vals: list[dict], epochs: list[dict]) -> float:
-    """Validation img/s in training: the validations that follow each epoch, epochs 2.. when there are several."""
+def training_vals(vals: list[dict], epochs: list[dict]) -> list[dict]:
+    """The validation that follows each finished epoch; epochs 2.. when there are several (epoch 1's
+    holds start-up). Ultralytics' final validation of best.pt comes after the last one: left out."""
     ends = [ep["end"] for ep in epochs if ep["end"] is not None]
     per_epoch = []
     for k, end in enumerate(ends):
         nxt = ends[k + 1] if k + 1 < len(ends) else float("inf")
         match = [v for v in vals if end <= v["start"] < nxt]
         if match:
-            per_epoch.append(match[0])  # Ultralytics' final validation of best.pt comes later: left out
-    use = per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+            per_epoch.append(match[0])
+    return per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+
+
+def val_figures(vals: list[dict], epochs: list[dict]) -> float:
+    """Validation img/s in training over training_vals (NaN when there was none)."""
+    use = training_vals(vals, epochs)
     return sum(v["n"] for v in use) / sum(v["end"] - v["start"] for v in use) if use else float("nan")
 
 
-def run_tool(tool: str, model: str, opt: argparse.Namespace, device: torch.device, work: Path,
+def ultralytics_val_precision(recorded: dict[str, Any]) -> str:
+    """Ultralytics' validation precision from what its validator recorded: 8.4's ``quantize`` (16 in
+    training: fp16 autocast over fp32 weights), else older versions' ``half`` (fp16 weights)."""
+    if "quantize" in recorded:
+        q = recorded["quantize"]
+        return "fp32" if q in (None, 32) else "fp16 autocast" if q == 16 else f"quantize={q}"
+    return "fp16 weights" if recorded.get("half") else "fp32"
+
+
+def val_precision(tool: str, run: dict) -> str:
+    """The precision of the validations val img/s counts ("-" when none ran)."""
+    if tool == "ours":
+        return run["facts"].get("val_precision", "-")
+    used = training_vals(run["vals"], run["epochs"])
+    return ", ".join(sorted({ultralytics_val_precision(v.get("precision", {})) for v in used})) or "-"
+
+
+def run_tool(c: Contender, model: str, workers: int, opt: argparse.Namespace, device: torch.device, work: Path,
              source: tuple[dict, list[str]]) -> dict[str, Any]:
-    """Train one model with one tool on a fresh dataset copy; its figures (before MFU)."""
-    base = work / model / tool
+    """Train one model with one contender at one worker count, on a fresh dataset copy; its figures (before MFU)."""
+    base = work / model / f"workers{workers}" / c.label
     splits, names = source
     data = copy_dataset(splits, names, base / "data", {"train": opt.steps * opt.batch_size, "val": opt.n_val})
-    python, env = (opt.ultralytics_python, ultralytics_env(work)) if tool == "ultralytics" else (sys.executable,
-                                                                                                 base_env())
-    run = run_shim(python, tool, tool_args(tool, model, opt, device, data, base / "runs"), env, base)
+    dev = "cpu" if device.type == "cpu" else str(device.index)
+    if c.tool == ULTRALYTICS:
+        python, env = opt.ultralytics_python, ultralytics_env(work)
+        args = ultralytics_args(model, opt, workers, dev, data, base / "runs")
+    else:
+        python, env = sys.executable, base_env()
+        args = ours_args(model, opt, workers, dev, data, base / "runs", c.flags)
+    run = run_shim(python, c.tool, args, env, base)
     facts = run["facts"]
     out = step_figures(run["epochs"], opt.warmup, opt.batch_size)
     gpu_mib = facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None
     out.update(val_img_s=val_figures(run["vals"], run["epochs"]), peak_gpu_mib=gpu_mib,
                peak_rss_mib=run["peak_rss_mib"], train_gflops_per_img=3 * facts.get("gflops", 0.0),
                amp=facts.get("amp"), workers=facts.get("workers"), ran_on=facts.get("device"),
-               val_half=facts.get("val_half", any(v.get("half") for v in run["vals"])))
+               val_precision=val_precision(c.tool, run), tool=c.tool, flags=list(c.flags))
     return out
 
 
@@ -438,21 +568,68 @@ ROWS = [  # (label, key, format, ratio shown)
 ]
 
 
-def report(model: str, res: dict[str, dict], device: torch.device) -> str:
-    """One model's table: ours and Ultralytics side by side, and ours / Ultralytics."""
-    o, u = res.get("ours"), res.get("ultralytics")
-    lines = [f"{model}:", f"  {'':<28}{'ours':>12}{'ultralytics':>13}{'ours/ultra':>12}"]
-    for label, key, fmt, ratio in ROWS:
-        a, b = (r.get(key) if r else None for r in (o, u))
-        cells = ["-" if v is None or v != v else fmt.format(v) for v in (a, b)]  # v != v: NaN
-        rat = f"{a / b:.2f}x" if ratio and a is not None and b and a == a and b == b else ""
-        lines.append(f"  {label:<28}{cells[0]:>12}{cells[1]:>13}{rat:>12}")
-    for name, r in res.items():
+def cell(v: Any, fmt: str) -> str:
+    """A figure as printed: "-" for none or NaN."""
+    return "-" if v is None or v != v else fmt.format(v)  # v != v: NaN
+
+
+def ratio(a: Any, b: Any) -> str:
+    """a / b as "1.23x", "" when either is missing, NaN or b is zero."""
+    return f"{a / b:.2f}x" if a is not None and b and a == a and b == b else ""
+
+
+def curve(res: dict[int, dict[str, dict]]) -> list[str]:
+    """The worker curve: per worker count, each contender's train img/s (data wait) and each variant's
+    img/s over Ultralytics'; then which runs' loaders used another worker count than asked."""
+    labels = list(next(iter(res.values())))
+    ultra = ULTRALYTICS in labels
+    widths = {k: max(16, len(k)) + (7 if ultra and k != ULTRALYTICS else 0) + 2 for k in labels}
+    lines = ["  " + f"{'workers':>7}" + "".join(f"{k:>{widths[k]}}" for k in labels)]
+    for w, row in res.items():
+        cells = []
+        for k in labels:
+            r = row[k]
+            text = f"{cell(r['train_img_s'], '{:.1f}')} ({cell(r['data_wait'], '{:.1%}')})"
+            if ultra and k != ULTRALYTICS:
+                text += f"{ratio(r['train_img_s'], row[ULTRALYTICS]['train_img_s']):>7}"
+            cells.append(f"{text:>{widths[k]}}")
+        lines.append(f"  {w:>7}" + "".join(cells))
+    for k in labels:
+        off = [f"{row[k]['workers']} for {w}" for w, row in res.items() if row[k]["workers"] not in (None, w)]
+        if off:
+            lines.append(f"  {k} used other loader worker counts than asked: {', '.join(off)}")
+    return lines
+
+
+def table(res: dict[str, dict], device: torch.device) -> list[str]:
+    """Every figure of one worker count: the contenders side by side, then each variant / Ultralytics."""
+    labels = list(res)
+    variants = [k for k in labels if k != ULTRALYTICS] if ULTRALYTICS in labels else []
+    heads = labels + [f"{k}/ultra" for k in variants]
+    widths = [max(12, len(h) + 2) for h in heads]
+    lines = ["  " + f"{'':<28}" + "".join(f"{h:>{n}}" for h, n in zip(heads, widths))]
+    for name, key, fmt, shows_ratio in ROWS:
+        values = [res[k].get(key) for k in labels]
+        ratios = [ratio(res[k].get(key), res[ULTRALYTICS].get(key)) if shows_ratio else "" for k in variants]
+        cells = [cell(v, fmt) for v in values] + ratios
+        lines.append(f"  {name:<28}" + "".join(f"{c:>{n}}" for c, n in zip(cells, widths)))
+    for k, r in res.items():
         prec = "fp16 AMP" if r["amp"] and device.type == "cuda" else ("bf16 autocast" if r["amp"] else "fp32")
-        lines.append(f"  {name}: train {prec}, validation {'half' if r['val_half'] else 'fp32'}, "
-                     f"{r['workers']} loader workers, on {r['ran_on']}")
-    if model.startswith("yolov5") and not model.endswith("u") and u:
-        lines.append("  yolov5n: ours anchor-based, Ultralytics' yolov5n.yaml anchor-free ('u'): not the same network")
+        flags = f", flags {shlex.join(r['flags'])}" if r.get("flags") else ""
+        lines.append(f"  {k}: train {prec}, validation {r['val_precision']}, {r['workers']} loader workers, "
+                     f"on {r['ran_on']}{flags}")
+    return lines
+
+
+def report(model: str, res: dict[int, dict[str, dict]], device: torch.device) -> str:
+    """One model: the worker curve, then every figure at the largest worker count."""
+    top = max(res)
+    ultra = ULTRALYTICS in res[top]
+    lines = [f"{model}: train img/s (data wait) per loader worker count"
+             + (", x: variant / Ultralytics img/s" if ultra else ""), *curve(res),
+             f"{model}, every figure at --workers {top}:", *table(res[top], device)]
+    if model.startswith("yolov5") and not model.endswith("u") and ultra:
+        lines.append(f"  {model}: ours anchor-based, Ultralytics' {model}.yaml anchor-free ('u'): not the same network")
     return "\n".join(lines)
 
 
@@ -469,34 +646,45 @@ def device_header(device: torch.device, opt: argparse.Namespace) -> tuple[float 
     return (peak[0] if peak else None), mm, [f"device {name}: {vendor}; measured {what}: {mm / 1e12:.1f} TFLOPS"]
 
 
+def run_all(opt: argparse.Namespace, runs: list[Contender], device: torch.device, work: Path,
+            source: tuple[dict, list[str]], vendor: float | None, mm: float) -> dict[str, dict[int, dict[str, dict]]]:
+    """Every model x worker count x contender, in that nesting: results[model][workers][label]."""
+    results: dict[str, dict[int, dict[str, dict]]] = {}
+    for model in opt.models:
+        for workers in opt.workers:
+            row = results.setdefault(model, {}).setdefault(workers, {})
+            for c in runs:
+                row[c.label] = r = run_tool(c, model, workers, opt, device, work, source)
+                add_mfu(r, vendor, mm)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
-    opt = build_parser().parse_args(argv)
+    parser = build_parser()
+    opt = parser.parse_args(argv)
+    opt.workers = list(dict.fromkeys(opt.workers))  # a count given twice runs once
+    runs = contenders(opt, parser)
     device = check_device(opt)
-    tools = [t for t in ("ours", "ultralytics") if opt.only in (None, t)]
-    if "ultralytics" in tools and not (opt.ultralytics_python and Path(opt.ultralytics_python).is_file()):
+    if opt.only != "ours" and not (opt.ultralytics_python and Path(opt.ultralytics_python).is_file()):
         raise SystemExit("--ultralytics-python: the Ultralytics venv's python is needed (or --only ours); "
                          "see this script's docstring")
     work = Path(opt.workdir) if opt.workdir else Path(tempfile.mkdtemp(prefix="gpu_train_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         vendor, mm, header = device_header(device, opt)
-        if "ultralytics" in tools:
+        if opt.only != "ours":
             ultralytics_settings(opt.ultralytics_python, work)
         data, described = source_yaml(opt, work)
-        source = source_dataset(str(data))
-        results: dict[str, dict[str, dict]] = {}
-        for model in opt.models:
-            results[model] = {}
-            for tool in tools:
-                results[model][tool] = r = run_tool(tool, model, opt, device, work, source)
-                add_mfu(r, vendor, mm)
+        results = run_all(opt, runs, device, work, source_dataset(str(data)), vendor, mm)
         print(f"\n{time.strftime('%Y-%m-%d')}, {described}, {opt.imgsz}px, batch {opt.batch_size}, {opt.epochs} "
               f"epoch(s) of {opt.steps or 'all'} steps, {opt.warmup} warm-up steps per epoch untimed, mosaic "
-              f"{'every epoch' if opt.mosaic else 'per close_mosaic'}, seed {opt.seed}")
+              f"{'every epoch' if opt.mosaic else 'per close_mosaic'}, cache {opt.cache or 'off'}, seed {opt.seed}")
         print("\n".join(header))
         for model, res in results.items():
             print(report(model, res, device))
-        print("ratio: ours / Ultralytics (img/s, TFLOP/s, MFU: > 1 ours faster; wait and memory: < 1 ours less)")
+        if opt.only is None:
+            print("ratio, x: variant / Ultralytics at the same worker count (img/s, TFLOP/s, MFU: > 1 ours faster; "
+                  "wait and memory: < 1 ours less)")
         if opt.json:
             Path(opt.json).write_text(json.dumps({"device": header, "results": results}, indent=1))
     finally:
