@@ -647,8 +647,11 @@ def device_header(device: torch.device, opt: argparse.Namespace) -> tuple[float 
 
 
 def run_all(opt: argparse.Namespace, runs: list[Contender], device: torch.device, work: Path,
-            source: tuple[dict, list[str]], vendor: float | None, mm: float) -> dict[str, dict[int, dict[str, dict]]]:
-    """Every model x worker count x contender, in that nesting: results[model][workers][label]."""
+            source: tuple[dict, list[str]], vendor: float | None, mm: float,
+            header: list[str]) -> dict[str, dict[int, dict[str, dict]]]:
+    """Every model x worker count x contender, in that nesting: results[model][workers][label]. Each run's
+    main figures are printed, and --json rewritten, as soon as it ends: a run cut short by a time limit
+    (a lent GPU's) still leaves the runs before it."""
     results: dict[str, dict[int, dict[str, dict]]] = {}
     for model in opt.models:
         for workers in opt.workers:
@@ -656,6 +659,10 @@ def run_all(opt: argparse.Namespace, runs: list[Contender], device: torch.device
             for c in runs:
                 row[c.label] = r = run_tool(c, model, workers, opt, device, work, source)
                 add_mfu(r, vendor, mm)
+                print(f"done: {model} {c.label} workers {workers}: train {r['train_img_s']:.1f} img/s, data wait "
+                      f"{r['data_wait']:.1%}, val {r['val_img_s']:.1f} img/s", flush=True)
+                if opt.json:
+                    Path(opt.json).write_text(json.dumps({"device": header, "results": results}, indent=1))
     return results
 
 
@@ -675,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
         if opt.only != "ours":
             ultralytics_settings(opt.ultralytics_python, work)
         data, described = source_yaml(opt, work)
-        results = run_all(opt, runs, device, work, source_dataset(str(data)), vendor, mm)
+        results = run_all(opt, runs, device, work, source_dataset(str(data)), vendor, mm, header)
         print(f"\n{time.strftime('%Y-%m-%d')}, {described}, {opt.imgsz}px, batch {opt.batch_size}, {opt.epochs} "
               f"epoch(s) of {opt.steps or 'all'} steps, {opt.warmup} warm-up steps per epoch untimed, mosaic "
               f"{'every epoch' if opt.mosaic else 'per close_mosaic'}, cache {opt.cache or 'off'}, seed {opt.seed}")

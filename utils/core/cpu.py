@@ -43,6 +43,19 @@ def tune_malloc(keep_bytes: int = KEEP_BYTES) -> bool:
     return ok
 
 
+def release_inherited_heap() -> bool:
+    """Return the free blocks of a heap inherited through fork to the OS (glibc's malloc_trim), in a loader
+    worker: reusing them would copy each page from the parent on first write; fresh pages cost a fault each
+    and then stay in this process's own heap. True when it ran."""
+    if not _tuned or _user_chose_allocator(os.environ) or not _is_glibc():
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def _user_chose_allocator(env) -> bool:
     preload = env.get("LD_PRELOAD", "")
     return (any(name in preload for name in _OTHER_ALLOCATORS) or "MALLOC_MMAP_THRESHOLD_" in env

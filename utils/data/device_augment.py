@@ -186,7 +186,7 @@ def mix(warped: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
 
 def hsv(img: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """HSV gains of the samples that have them, through OpenCV's 8-bit HSV (hue 0-179): the same table rule
-    as utils.data.augment.hsv_lut, applied to each pixel's H, S and V (BGR in, BGR out, 0-255 levels)."""
+    as utils.data.augment.hsv_luts, applied to each pixel's H, S and V (BGR in, BGR out, 0-255 levels)."""
     on = samples[:, 3] > 0
     if not bool(on.any()):
         return img

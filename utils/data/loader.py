@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from utils.core.cpu import usable_cpus
+from utils.core.cpu import release_inherited_heap, tune_malloc, usable_cpus
 from utils.core.dist import DistInfo, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
@@ -152,6 +152,8 @@ def _worker_init(_worker_id: int) -> None:
     terminates its workers by pid, as usual.
     """
     torch.set_num_threads(1)
+    release_inherited_heap()  # the parent's freed blocks: reusing them here would copy each page on first write
+    tune_malloc()  # a worker's per-sample arrays (decoded images, warp and colour buffers) reuse the heap
     os.setpgid(0, 0)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 

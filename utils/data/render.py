@@ -58,12 +58,23 @@ def render(plan: SamplePlan, tiles: TileSource, out: np.ndarray, scratch: Scratc
     """Draw ``plan`` into ``out`` ((h, w, 3) uint8, RGB)."""
     imgs = [draw_composite(c, tiles, scratch, k) for k, c in enumerate(plan.composites)]
     img = imgs[0] if len(imgs) == 1 else blend(imgs[0], imgs[1], plan.mix_ratio)
-    if plan.hsv is not None:
-        apply_hsv(img, plan.hsv, dst=out, rgb=True)
+    colour_into(img, out, plan.hsv, scratch)
+    if plan.flip_lr or plan.flip_ud:
+        flip_in_place(out, plan.flip_lr, plan.flip_ud)
+
+
+def colour_into(img: np.ndarray, out: np.ndarray, gains: np.ndarray | None, scratch: Scratch) -> None:
+    """BGR ``img`` -> RGB ``out``, through the HSV gains when there are any."""
+    if gains is not None:
+        h, w = img.shape[:2]
+        apply_hsv(img, gains, dst=out, rgb=True, planes=[scratch.array(f"plane{c}", (h, w)) for c in range(3)])
     else:
         cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=out)
-    if plan.flip_lr or plan.flip_ud:
-        cv2.flip(out, -1 if plan.flip_lr and plan.flip_ud else int(plan.flip_lr), dst=out)
+
+
+def flip_in_place(img: np.ndarray, lr: bool, ud: bool) -> None:
+    """Flip left-right and/or up-down without a copy."""
+    cv2.flip(img, -1 if lr and ud else int(lr), dst=img)
 
 
 def draw_composite(comp: Composite, tiles: TileSource, scratch: Scratch, k: int = 0) -> np.ndarray:
