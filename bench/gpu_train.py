@@ -59,6 +59,9 @@ Figures (per model, worker count and contender):
                    the val split, metrics included), mean over epochs 2.. (epoch 1's only with one
                    epoch). Its precision is printed: under AMP on CUDA ours runs fp16 weights,
                    Ultralytics 8.4 fp16 autocast over fp32 weights (older versions: fp16 weights).
+  val ... ms/img   where a validation's time goes: each tool's own pre-process, inference and NMS
+                   figures per image (ours: EvalResult.speed_ms; Ultralytics: its validator's speed),
+                   and the rest of the pass from its wall time (loader waits, matching, metrics).
   data wait        time the training loop was blocked waiting for the loader / step time, over the
                    timed steps (host time: CUDA kernels queued before the wait still run during it).
   peak GPU MiB     torch.cuda.max_memory_allocated of the tool's process, read after every training
@@ -199,7 +202,9 @@ if mode == "ours":
     def evaluate_model(model, loader, *a, **k):
         t0 = now()
         out = inner_eval(model, loader, *a, **k)
-        vals.append({"start": t0, "end": now(), "n": len(loader.dataset)})
+        pre, inference, post = out.speed_ms
+        vals.append({"start": t0, "end": now(), "n": len(loader.dataset),
+                     "parts": {"pre": pre, "inference": inference, "post": post}})
         peak()
         return out
     train.build_training, loop.fetch_batches, loop.evaluate_model = build_training, fetch_batches, evaluate_model
@@ -221,8 +226,11 @@ elif mode == "ultralytics":
     def timed_val(self, *a, **k):
         t0 = now()
         out = inner_val(self, *a, **k)
+        sp = getattr(self, "speed", {}) or {}
         vals.append({"start": t0, "end": now(), "n": len(self.dataloader.dataset),
-                     "precision": precision_args(self.args)})
+                     "precision": precision_args(self.args),
+                     "parts": {"pre": sp.get("preprocess", 0.0), "inference": sp.get("inference", 0.0),
+                               "post": sp.get("postprocess", 0.0)}})
         peak()
         return out
     BaseValidator.__call__ = timed_val
@@ -502,6 +510,19 @@ def val_figures(vals: list[dict], epochs: list[dict]) -> float:
     return sum(v["n"] for v in use) / sum(v["end"] - v["start"] for v in use) if use else float("nan")
 
 
+def val_parts(vals: list[dict], epochs: list[dict]) -> dict[str, float]:
+    """Where a validation's time goes, ms per image, over training_vals: each tool's own pre-process,
+    inference and post-process (NMS) figures, and the rest of the pass (loader waits, matching,
+    metrics, set-up) from its wall time. Empty when the tool recorded none."""
+    use = [v for v in training_vals(vals, epochs) if v.get("parts")]
+    if not use:
+        return {}
+    out = {k: sum(v["parts"][k] for v in use) / len(use) for k in ("pre", "inference", "post")}
+    wall = sum(1e3 * (v["end"] - v["start"]) / max(v["n"], 1) for v in use) / len(use)
+    out["other"] = wall - sum(out.values())
+    return out
+
+
 def ultralytics_val_precision(recorded: dict[str, Any]) -> str:
     """Ultralytics' validation precision from what its validator recorded: 8.4's ``quantize`` (16 in
     training: fp16 autocast over fp32 weights), else older versions' ``half`` (fp16 weights)."""
@@ -536,6 +557,8 @@ def run_tool(c: Contender, model: str, workers: int, opt: argparse.Namespace, de
     facts = run["facts"]
     out = step_figures(run["epochs"], opt.warmup, opt.batch_size)
     gpu_mib = facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None
+    parts = val_parts(run["vals"], run["epochs"])
+    out.update({f"val_{k}_ms": v for k, v in parts.items()})
     out.update(val_img_s=val_figures(run["vals"], run["epochs"]), peak_gpu_mib=gpu_mib,
                peak_rss_mib=run["peak_rss_mib"], train_gflops_per_img=3 * facts.get("gflops", 0.0),
                amp=facts.get("amp"), workers=facts.get("workers"), ran_on=facts.get("device"),
@@ -557,6 +580,10 @@ def add_mfu(r: dict[str, Any], vendor_tflops: float | None, matmul_flops: float)
 ROWS = [  # (label, key, format, ratio shown)
     ("train img/s (steady)", "train_img_s", "{:.1f}", True),
     ("val img/s (in training)", "val_img_s", "{:.1f}", True),
+    ("  val pre-process ms/img", "val_pre_ms", "{:.2f}", True),
+    ("  val inference ms/img", "val_inference_ms", "{:.2f}", True),
+    ("  val NMS ms/img", "val_post_ms", "{:.2f}", True),
+    ("  val rest ms/img", "val_other_ms", "{:.2f}", True),
     ("data wait, share of step", "data_wait", "{:.1%}", True),
     ("peak GPU MiB (allocated)", "peak_gpu_mib", "{:.0f}", True),
     ("peak RSS MiB (host)", "peak_rss_mib", "{:.0f}", True),
