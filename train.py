@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--augment-on", choices=("auto", "workers", "device"), default="auto",
                    help="where training augmentation draws its pixels: 'workers' (the loader processes, OpenCV) or "
-                        "'device' (the training device, torch: the workers only read images); the same draws and "
-                        "labels either way (default auto: device for CUDA runs, workers otherwise)")
+                        "'device' (the training device, torch: the workers only read images, for GPU nodes with few "
+                        "cores per GPU); the same draws and labels either way (auto: workers)")
     add_run_folder_flags(p, ROOT / "runs" / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
     p.add_argument("--evolve", type=Range(int, min=1), nargs="?", const=300, default=None, metavar="N",

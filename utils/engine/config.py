@@ -122,15 +122,14 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
                                 info.world_size, amp, channels_last)
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
                         "channels_last": channels_last, "amp": amp, "batch_size": batch,
-                        "augment_on": augment_default(args.augment_on, device)})
+                        "augment_on": augment_default(args.augment_on)})
 
 
-def augment_default(flag: str, device: torch.device) -> str:
-    """--augment-on auto: the training device draws the augmented pixels on CUDA (its loader workers then only
-    read images), the loader workers do on a CPU run (there both share the same cores)."""
-    if flag != "auto":
-        return flag
-    return "device" if device.type == "cuda" else "workers"
+def augment_default(flag: str) -> str:
+    """--augment-on auto: the loader workers draw the augmented pixels. On a CPU run the device path would
+    share the workers' cores; on CUDA it is chosen by hand, its GPU cost beside the workers path being
+    unmeasured (docs/benchmarks.md)."""
+    return "workers" if flag == "auto" else flag
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
