@@ -231,3 +231,15 @@ def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
     a = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
     b = torch.load(last, weights_only=True)
     assert all(torch.equal(a[k][n], b[k][n]) for k in ("model", "ema") for n in a[k]) and a["metrics"] == b["metrics"]
+
+
+@pytest.mark.parametrize("flag, resolved", [("auto", "workers"), ("workers", "workers"), ("device", "device")])
+def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, resolved):
+    """--augment-on is part of the frozen run config (so checkpoints record it); auto keeps the workers path."""
+    import train
+    from utils.core.cli import ResolvedArgs
+    from utils.engine.config import Resume, resolve_config
+
+    argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--augment-on", flag]
+    cfg = resolve_config(Resume(ResolvedArgs(**vars(train.build_parser().parse_args(argv)))), torch.device("cpu"))
+    assert cfg.augment_on == resolved
