@@ -143,6 +143,10 @@ def main() -> None:
               f"(last.pt and best.pt tensors, epoch, metrics; results.csv)")
         sys.exit(1 if diffs else 0)
     with tempfile.TemporaryDirectory(prefix="identity-") as tmp:
+        unknown = sorted(set(opt.only or ()) - set(runs("", "")))
+        if unknown:
+            raise SystemExit(f"identity.py: --only {' '.join(unknown)}: no such run (the runs: "
+                             f"{', '.join(runs('', ''))})")
         results = measure(Path(opt.repo).resolve(), Path(tmp), opt.only)
     text = json.dumps(results, indent=1, sort_keys=True)
     if opt.out:

@@ -46,6 +46,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
@@ -217,13 +218,18 @@ def loader_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, cache: str
     return rate
 
 
-def ultralytics(python: str, data_yaml: str, imgsz: int, batch: int, workers: list[int], batches: int) -> dict:
-    """bench/ultralytics_loader.py under Ultralytics' interpreter: its rates per worker count and its stages."""
+def ultralytics(python: str, data, imgsz: int, batch: int, workers: list[int], batches: int) -> dict:
+    """bench/ultralytics_loader.py under Ultralytics' interpreter: its rates per worker count and its stages.
+    It reads a yaml of the resolved splits (absolute paths): Ultralytics resolves a relative ``path:`` against
+    its own datasets folder, ours against the yaml's."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ultralytics.json"
+        data_yaml = Path(tmp) / "data.yaml"
+        one = {k: v[0] if len(v) == 1 else list(v) for k, v in (("train", data.train), ("val", data.val))}
+        data_yaml.write_text(yaml.safe_dump({"path": str(data.root), **one, "names": dict(enumerate(data.names))}))
         env = dict(os.environ, YOLO_CONFIG_DIR=str(Path(tmp) / "cfg"), YOLO_OFFLINE="1", YOLO_AUTOINSTALL="false",
                    MPLCONFIGDIR=str(Path(tmp) / "mpl"))
-        cmd = [python, str(ROOT / "bench" / "ultralytics_loader.py"), "--data", data_yaml, "--imgsz", str(imgsz),
+        cmd = [python, str(ROOT / "bench" / "ultralytics_loader.py"), "--data", str(data_yaml), "--imgsz", str(imgsz),
                "--batch", str(batch), "--workers", *map(str, workers), "--batches", str(batches), "--json", str(out)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode or not out.exists():
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     for imgsz in a.imgsz:
         for batch in a.batch:
             res: dict[str, Any] = {"imgsz": imgsz, "batch": batch}
-            peer = ultralytics(a.ultralytics_python, a.data, imgsz, batch, a.workers, a.batches) \
+            peer = ultralytics(a.ultralytics_python, data, imgsz, batch, a.workers, a.batches) \
                 if a.ultralytics_python else None
             print(f"\n{imgsz} px, batch {batch}")
             res["rates"] = rates(a, data, hyp, imgsz, batch, peer)  # first: forked workers of a lean process
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
 def rates(a, data, hyp: Hyp, imgsz: int, batch: int, peer: dict | None) -> list[dict]:
     """Images/s per worker count for each of our loaders and Ultralytics'; printed as a table."""
     rows = []
-    print(f"  {'loader':<34}{'workers':>8}{'img/s':>10}{'ultralytics':>13}{'ours/ultra':>12}")
+    print(f"  {'loader':<38}{'workers':>8}{'img/s':>10}{'ultralytics':>13}{'ours/ultra':>12}")
     for cache in a.cache:
         for device_path in (False, True):
             name = ("ours, device path (workers read)" if device_path else "ours") + (f", --cache {cache}" if cache != "none" else "")
@@ -302,7 +308,7 @@ def rates(a, data, hyp: Hyp, imgsz: int, batch: int, peer: dict | None) -> list[
                 u = peer["rates"].get(str(w)) if peer else None
                 rows.append({"loader": name, "workers": w, "img_s": r, "ultralytics_img_s": u})
                 ratio = f"{r / u:.2f}x" if u else ""
-                print(f"  {name:<34}{w:>8}{r:>10.1f}{(f'{u:.1f}' if u else '-'):>13}{ratio:>12}")
+                print(f"  {name:<38}{w:>8}{r:>10.1f}{(f'{u:.1f}' if u else '-'):>13}{ratio:>12}")
     return rows
 
 
