@@ -57,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hyp", default=None,
                    help="hyperparameters yaml (default: hyps/hyp.scratch-low.yaml for anchor heads, hyps/hyp.v8.yaml for "
                         "anchor-free ones)")
-    p.add_argument("--epochs", type=Range(int, min=1), default=15,
-                   help="total training epochs (sized for the quick built-in run)")
+    p.add_argument("--epochs", type=Range(int, min=1), default=None,
+                   help="total training epochs (default: 100 on your --data, 15 for the built-in demo)")
     p.add_argument("--batch-size", type=BATCH_SIZE, default=16,
                    help="global batch size, split over all ranks; -1: AutoBatch, the largest that fits every GPU (CUDA)")
-    p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=320, help="train and val image size (pixels)")
+    p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
+                   help="train and val image size in pixels, rounded up to the model's stride (default: 640 on your "
+                        "--data, 320 for the built-in demo)")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
     add_workers_flag(p)

@@ -39,7 +39,12 @@ DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads
 RESUME_HARMLESS = {"device", "augment_on", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
                    "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
                    "compile", "tensorboard", "mlflow"}
-RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir"}
+RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir",
+                      "sized_for"}
+DEMO_DATA = ROOT / "data" / "shapes.yaml"  # train.py's --data default: the built-in set
+# --imgsz and --epochs when not given, by what is trained: the quick demo on the built-in set (minutes on a
+# CPU), and on a user's data the values YOLOv5 and Ultralytics users expect.
+SIZE_DEFAULTS = {"demo": {"imgsz": 320, "epochs": 15}, "your data": {"imgsz": 640, "epochs": 100}}
 
 
 class RunConfig(ResolvedArgs):
@@ -64,12 +69,12 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     """
     given = vars(opt)
     if not opt.resume:
-        return Resume(ResolvedArgs(**given))
+        return Resume(ResolvedArgs(**size_defaults(given)))
     if opt.resume == "auto":
         path = Path(opt.project) / opt.name / "weights" / "last.pt"
         if not path.is_file():
             LOGGER.info(f"--resume auto: no {path} yet; starting the run")
-            return Resume(ResolvedArgs(**{**given, "resume": False, "exist_ok": True}))
+            return Resume(ResolvedArgs(**size_defaults({**given, "resume": False, "exist_ok": True})))
     else:
         path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     if path is None:
@@ -92,11 +97,30 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
         LOGGER.info("Resuming with changed arguments: " + ", ".join(
             f"{k}: {saved.args[k]} -> {v}" for k, v in sorted(changed.items())))
     # the given arguments first: a flag newer than the saved run keeps its given (or default) value
-    args = ResolvedArgs(**{**given, **saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
-                           "save_dir": str(path.parent.parent)})
+    args = ResolvedArgs(**size_defaults({**given, **saved.args, **changed, "local_rank": opt.local_rank,
+                                         "resume": str(path), "save_dir": str(path.parent.parent)}))
     part = f", batch {saved.batches_done + 1}" if saved.batches_done else ""
     LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args.epochs}")
     return Resume(args, saved)
+
+
+def size_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with --imgsz and --epochs filled in where not given (a resumed run has both from its
+    checkpoint): the built-in demo's on the built-in set, 640 px and 100 epochs on any other data.
+    ``sized_for`` records which set of defaults filled them in, for the start summary (None: none did)."""
+    missing = [k for k in ("imgsz", "epochs") if values.get(k) is None]
+    if not missing:
+        return {**values, "sized_for": values.get("sized_for")}
+    purpose = "demo" if is_demo_data(values.get("data")) else "your data"
+    return {**values, **{k: SIZE_DEFAULTS[purpose][k] for k in missing}, "sized_for": purpose}
+
+
+def is_demo_data(data: Any) -> bool:
+    """Whether --data names the built-in shapes set (train.py's default)."""
+    try:
+        return data is not None and Path(str(data)).resolve() == DEMO_DATA.resolve()
+    except OSError:
+        return False
 
 
 def _same_arg(given, saved) -> bool:

@@ -201,10 +201,11 @@ class RunState:
 
 def run_record(t) -> dict[str, Any]:
     """What a checkpoint says the run is, beside its state: the model to rebuild, the arguments (with the
-    run's current epoch count) and hyperparameters to resume with, the names, and how its metrics were computed."""
+    run's current epoch count, and the image size it trains at: --imgsz rounded up to the stride) and
+    hyperparameters to resume with, the names, and how its metrics were computed."""
     return {"model_yaml": to_plain(de_parallel(t.model).yaml), "optimizer_choice": asdict(t.optimizer_choice),
             "seed": t.cfg.seed, "world_size": t.info.world_size, "hyp": t.hyp.as_dict(),
-            "args": to_plain({**t.cfg.as_dict(), "epochs": t.state.epochs}), "names": list(t.names),
+            "args": to_plain({**t.cfg.as_dict(), "epochs": t.state.epochs, "imgsz": t.imgsz}), "names": list(t.names),
             "val_precision": ("fp16" if t.device.type == "cuda" else "bf16") if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
 
 

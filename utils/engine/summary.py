@@ -44,8 +44,18 @@ def log_start_summary(t: Training) -> None:
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
     plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {t.state.epochs} planned until "
             "the first is timed)" if opt.time else f"{t.state.epochs} epochs")
-    lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else ""))
+    lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else "")
+                 + sizing_note(opt))
     LOGGER.info("\n".join(lines))
+
+
+def sizing_note(opt) -> str:
+    """Which --imgsz/--epochs defaults applied (a fresh run that left one out), and why."""
+    if opt.sized_for == "demo":
+        return " (the built-in demo's defaults: 320 px, 15 epochs; your own --data defaults to 640 px, 100 epochs)"
+    if opt.sized_for == "your data":
+        return " (defaults for your own data, as YOLOv5 and Ultralytics: 640 px, 100 epochs; --imgsz, --epochs to change)"
+    return ""
 
 
 def hyp_changes(hyp: Hyp, baseline: Hyp | None = None) -> dict[str, tuple[float, float]]:

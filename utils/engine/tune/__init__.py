@@ -18,7 +18,7 @@ from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.watchdog import Watchdog
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model, size_defaults
 from utils.engine.tune.report import write_results
 from utils.engine.tune.space import default_space, load_space
 from utils.engine.tune.study import StudySettings
@@ -55,7 +55,8 @@ def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..
     anchored = anchored_model(train_opt) if not (train_opt.hyp and opt.space) else None  # the family's defaults
     base = Path(train_opt.hyp) if train_opt.hyp else DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE
     space_file = opt.space or default_space(anchored)
-    job = Job(settings=_settings(opt, folder, train_opt.epochs), folder=folder, train_argv=_without_hyp(train_argv),
+    epochs = size_defaults(vars(train_opt))["epochs"]  # each trial's: --epochs, else train.py's default for the data
+    job = Job(settings=_settings(opt, folder, epochs), folder=folder, train_argv=_without_hyp(train_argv),
               base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser,
               callbacks=callbacks)
     LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
