@@ -177,6 +177,7 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
     info = t.info
     with watch.phase("setup"):
         hooks.plots.labels(t.train_loader.dataset)
+        hooks.checkpointer.clear_preempted()  # this run continues whatever stopped it
     if info.is_main:
         log_start_summary(t)
     hooks.events.emit("on_train_start")
@@ -186,6 +187,7 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
     if end.reason is StopReason.NAN_BUDGET:
         raise UserError(end.message)
     if end.reason is StopReason.PREEMPTED:
+        hooks.checkpointer.mark_preempted(end.message)  # <run>/PREEMPTED: what a requeueing batch script tests
         raise Preempted(end.message)
     hooks.checkpointer.finish(strip=not t.cfg.keep_optimizer)
     result = train_result(t, end)

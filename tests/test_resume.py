@@ -349,10 +349,13 @@ def test_stop_signals_at_random_moments_lose_nothing(tiny_data, tmp_path, kind, 
             break
         assert "exiting with code 75" in out, out[-3000:]
         assert (proc.returncode == 75) if kind == "1-process" else (proc.returncode != 0 and "75" in out), out[-3000:]
+        # the marker a batch script tests to requeue, whatever exit code the launcher gave
+        assert "exiting with code 75" in (run_dir / "PREEMPTED").read_text()
         ckpt = torch.load(run_dir / "weights" / "last.pt", weights_only=True)
         assert "optimizer" in ckpt  # a checkpoint to continue, not a finished run's
         saved.append((ckpt["epoch"], ckpt.get("batches_done", 0)))
     assert proc.returncode == 0, out[-3000:]
+    assert not (run_dir / "PREEMPTED").exists()  # the run that continued removed it
     assert len(saved) >= 2 and any(done for _, done in saved), f"stops (epoch, batches done): {saved}"
     _assert_same_run(reference(kind), torch.load(run_dir / "weights" / "last.pt", weights_only=True))
 

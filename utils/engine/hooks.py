@@ -11,6 +11,7 @@ import torch
 from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.dist import DistInfo
+from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
 from utils.engine.events import RunEvents
@@ -41,6 +42,9 @@ class SaveClock:
     def restart(self) -> None:
         self.pending = False
         self.next_at = time.monotonic() + self.seconds
+
+
+PREEMPTED_MARKER = "PREEMPTED"
 
 
 class Checkpointer:
@@ -81,6 +85,23 @@ class Checkpointer:
             for f in (self.last, self.best):
                 if f.exists():
                     strip_optimizer(f)
+
+    @property
+    def preempted_marker(self) -> Path:
+        """<run>/PREEMPTED: present while the run's last stop was a preemption that --resume continues. A batch
+        script tests it to requeue: under torchrun the job's exit code is 1 whatever its workers' (75)."""
+        return self.dir.parent / PREEMPTED_MARKER
+
+    def mark_preempted(self, message: str) -> None:
+        """After a preemption's last.pt: write the marker (rank 0), with the stop's message."""
+        if self.info.is_main:
+            with atomic_write(self.preempted_marker, "w", encoding="utf-8") as f:
+                f.write(message.rstrip() + "\n")
+
+    def clear_preempted(self) -> None:
+        """At the start of every run and resume: an earlier preemption is being continued."""
+        if self.info.is_main:
+            self.preempted_marker.unlink(missing_ok=True)
 
 
 class RunPlots:
