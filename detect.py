@@ -43,8 +43,9 @@ from utils.infer.summary import RunSummary, finish
 
 def build_parser() -> argparse.ArgumentParser:
     """YOLOv5 detect.py's flags where they fit; numbers are range-checked at parse time (utils/core/cli.Range)."""
-    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--weights", required=True, help="yolotrain checkpoint, or an exported .onnx / .torchscript file")
+    p = ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--weights", required=True,
+                   help="checkpoint (yolotrain, YOLOv5 or Ultralytics .pt), or an exported .onnx / .torchscript file")
     p.add_argument("--source", nargs="+", required=True,
                    help="images, folders (not recursive), globs (quote them; ** recurses), .txt lists, videos")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,

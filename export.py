@@ -30,8 +30,8 @@ from utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all,
 
 def build_parser() -> argparse.ArgumentParser:
     """YOLOv5 export.py's flags for the two formats; numbers are range-checked at parse time."""
-    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--weights", required=True, help="yolotrain checkpoint to export")
+    p = ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--weights", required=True, help="checkpoint to export: yolotrain, YOLOv5 or Ultralytics .pt")
     p.add_argument("--include", nargs="+", choices=list(FORMATS), default=["torchscript"],
                    help="formats to write (onnx needs onnx and onnxruntime: pip install -r requirements-export.txt)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-det", type=Range(int, min=1), default=None,
                    help="detections per image of an end-to-end graph (default: its head's, 300)")
     p.add_argument("--source", nargs="+", default=None,
-                   help="images for the parity check (default: the checkpoint's val split)")
+                   help="images for the parity check (default: the val split of the data the checkpoint was trained "
+                        "on; YOLOv5 and Ultralytics files name none, so give them images)")
     add_device_flags(p, default="cpu", distributed=False)
     return p
 

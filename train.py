@@ -47,10 +47,14 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
-    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--cfg", default=None, help="model yaml (default: the --weights checkpoint's model, else models/yolov8n.yaml)")
-    p.add_argument("--weights", default=None, help="yolotrain checkpoint to fine-tune from (matching tensors are transferred)")
+    p.add_argument("--cfg", default=None,
+                   help="model yaml; a size name such as yolov8n.yaml builds models/yolov8.yaml at scale n (default: the "
+                        "--weights checkpoint's model, else yolov8n)")
+    p.add_argument("--weights", default=None,
+                   help="checkpoint to fine-tune from: yolotrain, YOLOv5 or Ultralytics .pt (matching tensors are "
+                        "transferred; nothing is downloaded)")
     p.add_argument("--freeze", nargs="+", type=Range(int, min=0), default=[0],
                    help="freeze the first N layers, or the listed layer indices")
     p.add_argument("--noautoanchor", action="store_true", help="keep the model yaml's anchors")

@@ -25,7 +25,6 @@ from utils.engine.tune.study import PRUNERS
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.splitlines()[1], allow_abbrev=False,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        epilog="Any other flag is train.py's (python train.py --help), given to every trial.")
     p.add_argument("--trials", type=Range(int, min=1), default=20,
                    help="the study's total of finished (complete or pruned) trials, counting every worker's")

@@ -52,9 +52,10 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
-    p = ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--weights", nargs="+", required=True,
-                   help="checkpoint path(s) written by train.py, or .onnx/.torchscript files from export.py, scored in turn")
+                   help="checkpoints (yolotrain, YOLOv5 or Ultralytics .pt) or .onnx/.torchscript files from export.py, "
+                        "scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
     p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch (per rank)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,

@@ -207,8 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's."""
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ultralytics-python", required=True,
                    help="python of the venv that has ultralytics 8.4.190 and faster-coco-eval")
     p.add_argument("--data", default=None,

@@ -142,8 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's."""
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--yolov5-python", required=True, help="python of the venv that has the yolov5 package")
     p.add_argument("--model", default="n", help="model size: yolov5<size>.yaml in both tools")
     p.add_argument("--epochs", type=Range(int, min=1), default=2, help="training epochs for each tool")

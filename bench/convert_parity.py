@@ -89,7 +89,7 @@ class Parity:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["yolov5n", "yolov8n", "yolo11n"],
                    help="yolov5{n,s,m,l,x} (yolov5 package); yolov8?, yolo11?, yolo26?, yolov10?, yolov5?u "
                         "(ultralytics package)")

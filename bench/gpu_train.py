@@ -288,7 +288,7 @@ def ours_variant(text: str) -> Contender:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's."""
-    p = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", type=model_name, default=["yolov5n", "yolov8n", "yolo11n"])
     p.add_argument("--imgsz", type=IMGSZ, default=640)
     p.add_argument("--batch-size", type=Range(int, min=1), default=64, help="training batch (validation: 2x)")

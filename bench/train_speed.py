@@ -108,8 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's."""
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["n", "s"],
                    help="models: a YOLOv5 size (n -> models/yolov5n.yaml) or a yaml name such as yolov8n")
     p.add_argument("--imgsz", nargs="+", type=IMGSZ, default=[320, 640], help="training image sizes")

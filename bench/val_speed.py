@@ -188,8 +188,7 @@ def format_run(k: int, r: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like val.py's."""
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--weights", default=None, help="checkpoint to score (default: a fresh model, see above)")
     p.add_argument("--model", default="n", help="size of the fresh model when no --weights")
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Union
 
 from utils.core.errors import UserError
+from utils.core.fileio import ROOT
 
 Number = Union[int, float]
 
@@ -83,13 +84,41 @@ IMGSZ = Range(int, min=32, note="the largest model stride")  # train.py rounded 
 SEED = Range(int, min=0, max=2**32 - 1)  # numpy.random.seed's range; train.py seeds random, numpy and torch
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default once: appended as ``(default: X)`` unless the help says its own
+    default, and left out when there is none to show (None, False, ''); paths inside the checkout are
+    shown relative to it, as a user types them from there."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, "", argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: {_shown(default)})"
+
+
+def _shown(value: Any) -> str:
+    """A default as --help shows it: a path in the checkout relative to it."""
+    if isinstance(value, (str, Path)) and Path(value).is_absolute():
+        try:
+            return str(Path(value).relative_to(ROOT))
+        except ValueError:
+            return str(value)
+    return str(value)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error: ``ERROR: argument --epochs: must be ..., got '0'``, exit 2.
+    """argparse with a one-line error: ``ERROR: argument --epochs: must be ..., got '0'``, exit 2, and
+    HelpFormatter's defaults.
 
     The usage dump is left out (``-h`` still prints it); the message keeps argparse's wording.
     """
 
     raise_errors = False  # the Python API's parsers: the same message, raised as a UserError instead of exit 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         text = " ".join(str(message).split())
@@ -100,12 +129,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True) -> None:
     """--device and --threads; ``distributed``: the CLI runs under torchrun, so threads are per rank."""
+    auto = ("GPU 0, each rank its own GPU under torchrun; the CPU without CUDA" if distributed
+            else "GPU 0; the CPU without CUDA")
+    shown = f"(default: {default or auto})"
     if distributed:
-        p.add_argument("--device", default=default, help="cuda device, i.e. 0 or 0,1,2,3 or cpu")
+        p.add_argument("--device", default=default, help=f"CUDA device(s), e.g. 0, 0,1,2,3, cuda:1, or cpu {shown}")
         p.add_argument("--threads", type=Range(int, min=0), default=0,
                        help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     else:
-        p.add_argument("--device", default=default, help="cuda device, i.e. 0, or cpu")
+        p.add_argument("--device", default=default, help=f"CUDA device, e.g. 0 or cuda:1, or cpu {shown}")
         p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
 
 
@@ -126,8 +158,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 def add_channels_last_flag(p: argparse.ArgumentParser) -> None:
     """--channels-last / --no-channels-last; unset (None) lets utils.core.dist pick per device."""
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, where it measured "
-                        "faster; NCHW on CUDA). Rounding differs between the two")
+                   help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, and on CUDA under fp16 "
+                        "(--amp, --half), where each measured faster; NCHW for fp32 on CUDA). Rounding differs between "
+                        "the two")
 
 
 def add_run_folder_flags(p: argparse.ArgumentParser, project: str | Path) -> None:
