@@ -52,10 +52,8 @@ def test_device_path_draws_what_the_loader_draws(shapes, case):
     assert dev.images is None and torch.equal(cpu.targets, dev.targets) and torch.equal(cpu.indices, dev.indices)
     assert img.dtype == torch.float32 and img.shape == cpu.images.shape and 0 <= img.min() and img.max() <= 1
     diff = (cpu.images.float() - img * 255).abs()
-    # the same pixels but for interpolation and colour rounding: a level here and there
-    assert diff.mean() < 0.05 and (diff > 1.5).float().mean() < 1e-3, (diff.mean(), (diff > 1.5).float().mean())
-    if case == "no-colour":  # the warp alone: OpenCV 5's float bilinear, bit for bit but for rare roundings
-        assert (diff > 0.5).float().mean() < 1e-3
+    # the same pixels but for the warp's rare roundings (OpenCV 5's float bilinear; its colour tables exactly)
+    assert (diff > 0.5).float().mean() < 1e-3 and diff.mean() < 0.01, ((diff > 0.5).float().mean(), diff.mean())
     if case == "plain":
         assert all(p is not None for p in dev.placements)
 

@@ -7,10 +7,10 @@ Why: on a GPU node the warp and colour passes of 4-16 CPU cores per GPU set the 
 GPU they cost a few milliseconds per batch. The same code runs on CPU tensors (the tests).
 
 The maths follows OpenCV's: a warp samples the canvas bilinearly in float32 with grey 114 outside it
-(OpenCV 5's warpAffine/warpPerspective), HSV goes through OpenCV's 8-bit hue, saturation and value with the
-same lookup rule, and every stage rounds to 8 bits where OpenCV's does. Images agree with the OpenCV path to
-within interpolation rounding (a few pixels off by one; older OpenCV interpolates in fixed point and
-differs by a little more).
+(OpenCV 5's warpAffine/warpPerspective), and HSV goes through tables of OpenCV's own 8-bit colour
+conversions, built once per device by cv2 (``colour_tables``), with the loader's per-sample lookups
+between them. Images agree with the OpenCV path but for a few pixels in 100,000 that the warp rounds
+the other way (older OpenCV interpolates in fixed point and differs by a level more often).
 
 ``pack`` runs in a worker: the distinct tiles back to back in the batch's memory, and every plan as rows
 of numbers. ``render_batch`` runs in the training process and returns float images in [0, 1].
@@ -106,23 +106,25 @@ def render_batch(d: DeferredImages, device: torch.device) -> torch.Tensor:
     warped = torch.cat([warp(canvas[i:i + per_chunk], rows[i:i + per_chunk], (h, w))
                         for i in range(0, len(comps), per_chunk)])
     samples = d.samples.to(device, non_blocking=True)
-    img = mix(warped, samples)
-    img = hsv(img, samples)
-    return img.flip(-1).div_(255).permute(0, 3, 1, 2)
+    rgb = colour(mix(warped, samples), samples)
+    return rgb.float().div_(255).permute(0, 3, 1, 2)
+
+
+FRAME = 2  # grey pixels around every canvas: a point's 2x2 neighbourhood is always inside the framed canvas
 
 
 def paste(tiles: torch.Tensor, table: list, comps: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Every composite's canvas, uint8 (C, H + 2, W + 2, 3) for the batch's largest canvas: grey 114 with a
-    one-pixel grey frame (what a warp reads outside the canvas) and the tiles pasted in (integer copies)."""
+    """Every composite's canvas, uint8 (C, H + 4, W + 4, 3) for the batch's largest canvas: grey 114 with a
+    two-pixel grey frame (what a warp reads outside the canvas) and the tiles pasted in (integer copies)."""
     hc, wc = int(comps[:, 0].max()), int(comps[:, 1].max())
-    canvas = torch.full((len(comps), hc + 2, wc + 2, 3), GREY, dtype=torch.uint8, device=device)
+    canvas = torch.full((len(comps), hc + 2 * FRAME, wc + 2 * FRAME, 3), GREY, dtype=torch.uint8, device=device)
     for c, row in enumerate(comps):
         for tile, x1a, y1a, x2a, y2a, x1b, y1b in row[SLOTS_AT:].reshape(SLOTS, SLOT_COLUMNS).astype(np.int64).tolist():
             if tile < 0:
                 continue
             start, th, tw = table[tile]
             img = tiles[start * 3:(start + th * tw) * 3].view(th, tw, 3)
-            canvas[c, 1 + y1a:1 + y2a, 1 + x1a:1 + x2a] = img[y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]
+            canvas[c, FRAME + y1a:FRAME + y2a, FRAME + x1a:FRAME + x2a] = img[y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]
     return canvas
 
 
@@ -149,24 +151,19 @@ def source_points(rows: torch.Tensor, out_hw: tuple[int, int]) -> tuple[torch.Te
 
 def warp(canvas: torch.Tensor, rows: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
     """Bilinear samples of each framed canvas at its output pixels' points, rounded to 8-bit levels:
-    float32 (C, H, W, 3) BGR. Points outside the canvas read the grey frame."""
+    float32 (C, H, W, 3) BGR. Points outside the canvas read the grey frame: the top-left neighbour is
+    clamped into the frame's outer ring, so the other three are at +1, +width and +width+1."""
     u, v = source_points(rows, out_hw)
     c, hp, wp, _ = canvas.shape
     x0f, y0f = torch.floor(u), torch.floor(v)
     fx, fy = (u - x0f)[..., None], (v - y0f)[..., None]
-    x0 = x0f.clamp(-1, wp - 2).long() + 1  # framed coordinates: -1 and the far edge are grey
-    y0 = y0f.clamp(-1, hp - 2).long() + 1
-    x1 = (x0f + 1).clamp(-1, wp - 2).long() + 1
-    y1 = (y0f + 1).clamp(-1, hp - 2).long() + 1
+    x0 = x0f.clamp_(-FRAME, wp - 2 * FRAME).long() + FRAME  # -2 .. canvas width, framed
+    y0 = y0f.clamp_(-FRAME, hp - 2 * FRAME).long() + FRAME
     flat = canvas.view(-1, 3)
-    base = (torch.arange(c, device=canvas.device) * (hp * wp)).view(-1, 1, 1)
-
-    def at(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return flat[base + y * wp + x].float()
-
-    a, b = at(y0, x0), at(y0, x1)
+    base = torch.arange(c, device=canvas.device).view(-1, 1, 1) * (hp * wp) + y0 * wp + x0
+    a, b = flat[base].float(), flat[base + 1].float()
     top = a + fx * (b - a)
-    a, b = at(y1, x0), at(y1, x1)
+    a, b = flat[base + wp].float(), flat[base + wp + 1].float()
     bottom = a + fx * (b - a)
     return torch.round(top + fy * (bottom - top)).clamp_(0, 255)
 
@@ -184,54 +181,52 @@ def mix(warped: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     return torch.where(mixed.view(-1, 1, 1, 1), blended, first)
 
 
-def hsv(img: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """HSV gains of the samples that have them, through OpenCV's 8-bit HSV (hue 0-179): the same table rule
-    as utils.data.augment.hsv_luts, applied to each pixel's H, S and V (BGR in, BGR out, 0-255 levels)."""
+def colour(img: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """Each sample's HSV gains (where it has them) and the BGR -> RGB order: uint8 (B, H, W, 3) RGB.
+
+    OpenCV's own 8-bit conversions, as tables over every colour (``colour_tables``), so the device repeats
+    the loader's cvtColor exactly; between them the per-sample lookups of utils.data.augment.hsv_luts."""
+    bgr = img.to(torch.uint8)
     on = samples[:, 3] > 0
     if not bool(on.any()):
-        return img
-    h, s, v = bgr_to_hsv(img)
-    g = samples[:, 4:7].view(-1, 1, 1, 3).double()
-    h2 = torch.floor(torch.fmod(h.double() * g[..., 0], 180.0))
-    s2 = torch.floor(torch.clamp(s.double() * g[..., 1], 0, 255))
-    v2 = torch.floor(torch.clamp(v.double() * g[..., 2], 0, 255))
-    out = hsv_to_bgr(h2.float(), s2.float(), v2.float())
-    return torch.where(on.view(-1, 1, 1, 1), out, img)
+        return bgr.flip(-1)
+    to_hsv, to_rgb = colour_tables(img.device)
+    idx = (bgr[..., 0].long() << 16) | (bgr[..., 1].long() << 8) | bgr[..., 2].long()
+    h, s, v = to_hsv[idx].long().unbind(-1)
+    luts = sample_luts(samples[:, 4:7]).view(-1)  # (B, 3, 256) -> flat
+    k = torch.arange(len(img), device=img.device).view(-1, 1, 1) * 768
+    h, s, v = luts[k + h], luts[k + 256 + s], luts[k + 512 + v]
+    rgb = to_rgb[(h.long() * 256 + s.long()) * 256 + v.long()]
+    return torch.where(on.view(-1, 1, 1, 1), rgb, bgr.flip(-1))
 
 
-def bgr_to_hsv(img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """OpenCV's 8-bit BGR -> HSV (hue 0-179, halved degrees), exactly: its integer division tables with 12
-    fraction bits. Each of H, S, V as int32 (..., H, W)."""
-    b, g, r = img.to(torch.int32).unbind(-1)
-    v = torch.maximum(torch.maximum(b, g), r)
-    diff = v - torch.minimum(torch.minimum(b, g), r)
-    sdiv, hdiv = _hsv_tables(img.device)
-    s = (diff * sdiv[v] + 2048) >> 12
-    hue = torch.where(v == r, g - b, torch.where(v == g, b - r + 2 * diff, r - g + 4 * diff))
-    h = (hue * hdiv[diff] + 2048) >> 12
-    return torch.where(h < 0, h + 180, h), s, v
+def sample_luts(gains: torch.Tensor) -> torch.Tensor:
+    """(B, 3, 256) uint8: each sample's hue, saturation and value tables, as utils.data.augment.hsv_luts
+    computes them (float64; a sample without HSV has gains 0 here and is not looked up)."""
+    x = torch.arange(256, dtype=torch.float64, device=gains.device)
+    g = gains.double()
+    hue = torch.remainder(x * g[:, :1], 180.0)
+    sat = torch.clamp(x * g[:, 1:2], 0, 255)
+    val = torch.clamp(x * g[:, 2:3], 0, 255)
+    return torch.stack((hue, sat, val), 1).to(torch.uint8)
 
 
-def _hsv_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """OpenCV's sdiv_table (255 << 12) / v and hdiv_table180 (180 << 12) / (6 diff), rounded; 0 at 0."""
-    i = torch.arange(256, dtype=torch.float64, device=device).clamp(min=1)
-    sdiv, hdiv = torch.round(255 * 4096 / i), torch.round(180 * 4096 / (6 * i))
-    sdiv[0] = hdiv[0] = 0
-    return sdiv.to(torch.int32), hdiv.to(torch.int32)
+_TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def hsv_to_bgr(h: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """8-bit HSV (hue 0-179) -> BGR on 0-255 levels, (..., 3) float: the sector rule of OpenCV's conversion,
-    truncated to levels as OpenCV 5's 8-bit path does (older OpenCV rounds: at most one level apart)."""
-    s, v = s / 255.0, v / 255.0
-    hh = torch.remainder(h / 30.0, 6.0)
-    sector = torch.floor(hh)
-    f = hh - sector
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    sector = sector.long().clamp_(0, 5)
-    # per sector (0-5): which of v, p, q, t each of b, g, r takes (OpenCV's sector table)
-    table = torch.stack((v, p, q, t), -1)
-    order = torch.tensor([[1, 3, 0], [1, 0, 2], [3, 0, 1], [0, 2, 1], [0, 1, 3], [2, 1, 0]], device=h.device)
-    bgr = torch.gather(table, -1, order[sector])
-    bgr = torch.where((s == 0)[..., None], v[..., None].expand_as(bgr), bgr)
-    return torch.floor(bgr * 255.0 + 1e-4).clamp_(0, 255)
+def colour_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenCV's 8-bit BGR -> HSV for every one of the 2^24 colours (index b << 16 | g << 8 | r), and HSV ->
+    RGB for every 8-bit HSV (index (h * 256 + s) * 256 + v, h < 180), computed once per device by cv2
+    itself: 48 MiB and 34 MiB of uint8."""
+    key = str(device)
+    if key not in _TABLES:
+        import cv2
+
+        every = np.arange(1 << 24, dtype=np.uint32)
+        bgr = np.stack(((every >> 16) & 255, (every >> 8) & 255, every & 255), -1).astype(np.uint8)
+        to_hsv = cv2.cvtColor(bgr.reshape(4096, 4096, 3), cv2.COLOR_BGR2HSV).reshape(-1, 3)
+        every = np.arange(180 * 256 * 256, dtype=np.uint32)
+        hsv = np.stack((every >> 16, (every >> 8) & 255, every & 255), -1).astype(np.uint8)
+        to_rgb = cv2.cvtColor(hsv.reshape(2880, 4096, 3), cv2.COLOR_HSV2RGB).reshape(-1, 3)
+        _TABLES[key] = torch.from_numpy(to_hsv).to(device), torch.from_numpy(to_rgb).to(device)
+    return _TABLES[key]
