@@ -202,20 +202,25 @@ def loader_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, cache: str
     loader = create_dataloader(data.train, imgsz, batch, 32, info=DistInfo(), hyp=hyp, augment=True, shuffle=True,
                                workers=workers, nc=data.nc, cache=cache, seed=0, prefix="", reuse_memory=True,
                                render_on_device=device_path)
-    loader.sampler.set_epoch(0)
-    it = iter(loader)
+    it = epochs(loader)
     for _ in range(max(workers, 1)):
         next(it)
     n, t0 = 0, time.perf_counter()
     for _ in range(batches):
-        b = next(it, None)
-        if b is None:
-            break
-        n += b.size
+        n += next(it).size
     rate = n / (time.perf_counter() - t0)
     release_ram_caches(0, loader.dataset.imgcache)  # do not leave the /dev/shm file behind
     del it, loader
     return rate
+
+
+def epochs(loader):
+    """The loader's batches epoch after epoch (a small set runs out before the timed batches do)."""
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def ultralytics(python: str, data, imgsz: int, batch: int, workers: list[int], batches: int) -> dict:

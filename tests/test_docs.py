@@ -16,8 +16,25 @@ from tests.conftest import ROOT
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 250
-# Words that only ever narrate a change; kept small so legitimate prose never trips it.
-CHANGELOG_WORDS = ("previously", "no longer")
+# Words and phrases that narrate a change, or speak to files older than the code, instead of saying what is.
+# Matched in prose only (code spans and blocks removed), across line breaks, case-insensitive; each is
+# narrow enough that legitimate prose does not trip it.
+CHANGELOG_PHRASES = {
+    "previously": r"\bpreviously\b",
+    "no longer": r"\bno\s+longer\b",
+    "the earlier": r"\bthe\s+earlier\b",
+    "not yet": r"\bnot\s+yet\b",
+    "yet": r"\byet\b",
+    "until more": r"\buntil\s+more\b",
+    "used to": r"\b(?:we|it|this|that|they|there|which|yolotrain|train\.py)\s+used\s+to\b",  # not "is used to"
+    "we changed": r"\bwe\s+changed\b",
+    "a checkpoint that records no": r"\bcheckpoints?\s+that\s+records?\s+no\b",
+    "exported without the": r"\bexported\s+without\s+the\b",
+}
+# A git commit hash: 7-40 hex characters with a digit and a letter, or all digits right after "at",
+# "commit" or "@". benchmarks.md's table rows may name the commit a figure was measured at; prose may not.
+HEX_TOKEN = re.compile(r"(?<![\w./#-])[0-9a-f]{7,40}(?![\w-])")
+HASH_ALLOWED = {"docs/benchmarks.md"}  # in table rows only
 
 # [text](target) and ![alt](target); the target ends at whitespace or ')' (an optional "title" follows).
 MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -37,6 +54,49 @@ def rel(path: Path) -> str:
 def prose(text: str) -> str:
     """The text without fenced code blocks and inline code, where link-like strings are not links."""
     return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def prose_lines(text: str) -> str:
+    """The text with fenced code blocks blanked (their newlines kept, so line numbers hold) and each inline
+    code span replaced by the word CODE."""
+    blanked = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    return INLINE_CODE.sub("CODE", blanked)
+
+
+def changelog_hits(text: str) -> list[str]:
+    """'line N: phrase' for every changelog phrase in the text's prose."""
+    body = prose_lines(text)
+    hits = []
+    for name, pattern in CHANGELOG_PHRASES.items():
+        for m in re.finditer(pattern, body, re.IGNORECASE):
+            hits.append((body.count("\n", 0, m.start()) + 1, name))
+    return [f"line {n}: '{name}'" for n, name in sorted(hits)]
+
+
+def commit_hashes(text: str, allow_table_rows: bool) -> list[str]:
+    """'line N: HASH' for every commit-hash-like token in the text's prose (table rows skipped if allowed)."""
+    hits = []
+    for lineno, line in enumerate(prose_lines(text).splitlines(), 1):
+        if allow_table_rows and line.lstrip().startswith("|"):
+            continue
+        for m in HEX_TOKEN.finditer(line):
+            token = m.group(0)
+            mixed = re.search(r"[0-9]", token) and re.search(r"[a-f]", token)
+            before = line[:m.start()]
+            after_commit_word = token.isdigit() and re.search(r"(?:\bat|\bcommit|@)\s*$", before, re.IGNORECASE)
+            if mixed or after_commit_word:
+                hits.append(f"line {lineno}: {token}")
+    return hits
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """Every markdown table row outside code blocks, as its stripped cells."""
+    rows = []
+    for line in FENCE.sub("", text).splitlines():
+        s = line.strip()
+        if s.startswith("|") and s.endswith("|"):
+            rows.append([c.strip() for c in s.strip("|").split("|")])
+    return rows
 
 
 def relative_links(text: str) -> list[str]:
@@ -120,9 +180,89 @@ def test_readme_is_short():
 
 @pytest.mark.parametrize("doc", doc_files(), ids=rel)
 def test_no_changelog_wording(doc: Path):
-    hits = []
-    for lineno, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
-        for word in CHANGELOG_WORDS:
-            if re.search(rf"\b{re.escape(word)}\b", line, re.IGNORECASE):
-                hits.append(f"line {lineno}: '{word}'")
+    hits = changelog_hits(doc.read_text(encoding="utf-8"))
     assert not hits, f"{rel(doc)}: changelog wording (describe what is): {'; '.join(hits)}"
+
+
+def test_changelog_rules():
+    """The phrases the docs review found trip the check; the same words in code or legitimate prose do not."""
+    for bad in ("No GPU figure has been measured yet.", "the Ultralytics row is the earlier full run's",
+                "one dataset, so the rule stays until more data says otherwise", "This is not yet\nmeasured.",
+                "a checkpoint that records no\nprecision resumes in fp32",
+                "Files exported without the end-to-end key read as not end-to-end.", "yolotrain used to pad",
+                "We changed the default.", "It no longer waits."):
+        assert changelog_hits(bad), bad
+    for good in ("the tensor is used to index", "the images used to train it", "`yet` and `the earlier` in code", "```\nno longer\n```\n",
+                 "the previous trials' fitness", "three earlier runs", "a file exported without `--dynamic`"):
+        assert not changelog_hits(good), good
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=rel)
+def test_no_commit_hashes(doc: Path):
+    """Commit hashes belong to measurements: allowed only in benchmarks.md's table rows."""
+    hits = commit_hashes(doc.read_text(encoding="utf-8"), allow_table_rows=rel(doc) in HASH_ALLOWED)
+    assert not hits, f"{rel(doc)}: commit hash outside a benchmarks.md measurement row: {'; '.join(hits)}"
+
+
+def test_commit_hash_rules():
+    assert commit_hashes("2026-11-25, AMD EPYC, at 7101366 (fuse)", True)
+    assert commit_hashes("The loader of commit 02423a6, profiled", True)
+    assert commit_hashes("| 2026-11-26 | H200 | 02423a6 |", False)
+    assert not commit_hashes("| 2026-11-26 | H200 | 02423a6 |", True)
+    assert not commit_hashes("2,572,280 parameters, 20,000 images, 2026-11-25, 1.2e-5, `02423a6`, "
+                             "https://github.com/pytorch/pytorch/issues/50036, defaced, 1234567 images", True)
+
+
+def channels_last_expected(monkeypatch) -> dict[str, bool]:
+    """What utils/core/dist.channels_last_default picks when no flag is given (on Linux): True is NHWC."""
+    import torch
+
+    from utils.core import dist
+
+    monkeypatch.setattr(dist.sys, "platform", "linux")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    return {"cpu": dist.channels_last_default(None, cpu),
+            "cuda_fp16": dist.channels_last_default(None, cuda, half=True),
+            "cuda_fp32": dist.channels_last_default(None, cuda, half=False)}
+
+
+def memory_format_problems(default_cell: str, expected: dict[str, bool]) -> list[str]:
+    """How a --channels-last row's default cell disagrees with the code. The cell, parentheses dropped, is
+    split into clauses at ',' and ';'; a clause without a layout takes the one before it ("NHWC on CPU, and on
+    CUDA under fp16"). Each case needs a clause that names it with the layout the code picks."""
+    text = re.sub(r"\([^)]*\)", "", default_cell)
+    layout, clauses = None, []
+    for clause in re.split(r"[,;]", text):
+        found = re.findall(r"NHWC|NCHW", clause)
+        layout = found[-1] if found else layout
+        clauses.append((clause, layout))
+    cases = {"cpu": (lambda c: "CPU" in c, "on CPU"),
+             "cuda_fp16": (lambda c: "CUDA" in c and re.search(r"fp16|--half|--amp", c), "on CUDA under fp16"),
+             "cuda_fp32": (lambda c: "CUDA" in c and "fp32" in c, "for fp32 on CUDA")}
+    problems = []
+    for case, (names_it, words) in cases.items():
+        want = "NHWC" if expected[case] else "NCHW"
+        if not any(names_it(c) and got == want for c, got in clauses):
+            problems.append(f"{want} {words}")
+    return problems
+
+
+def test_memory_format_defaults_match_code(monkeypatch):
+    expected = channels_last_expected(monkeypatch)
+    rows = 0
+    for doc in doc_files():
+        for cells in table_rows(doc.read_text(encoding="utf-8")):
+            if len(cells) >= 2 and cells[0].startswith("`--channels-last`"):
+                rows += 1
+                problems = memory_format_problems(cells[1], expected)
+                assert not problems, (f"{rel(doc)}: the --channels-last row's default '{cells[1]}' does not say what "
+                                      f"utils/core/dist.channels_last_default picks: {', '.join(problems)}")
+    assert rows >= 2, "the --channels-last rows of training.md and deploy.md were not found"
+
+
+def test_memory_format_rule(monkeypatch):
+    expected = channels_last_expected(monkeypatch)
+    assert memory_format_problems("NHWC on CPU, NCHW on CUDA", expected)
+    assert not memory_format_problems("NHWC on CPU, and on CUDA under fp16 (`--amp`, the CUDA default); NCHW for "
+                                      "fp32 on CUDA", expected)
+    assert not memory_format_problems("NHWC on CPU, and on CUDA with `--half`; NCHW for fp32 on CUDA", expected)

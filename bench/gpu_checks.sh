@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent GPU session, in order of value, each stage under its own time limit, every
+# log under OUT (printed as it goes, so a stage cut short still leaves the ones before it).
+#
+#   bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]
+#
+# 1. bench/gpu_train.py, yolov8n at 640, batch 64: ours with the loader workers drawing the augmentation
+#    and with the GPU drawing it (--augment-on workers / device), beside Ultralytics, at 8 and 4 loader
+#    workers: train img/s, data wait, validation img/s and where the validation time goes.
+# 2. pytest -m cuda (the GPU twins of the CPU tests; one GPU).
+# 3. bench/loader_speed.py at 640, batch 64: the loader's stages with the CUDA ones (pinning, host to
+#    device, the GPU's drawing of a batch).
+# Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (240),
+# TEST_SECONDS (200), LOADER_SECONDS (100); about 9 minutes in all on an H200 host, under a 15-minute loan.
+# The data is the built-in shapes generator at 640 px (never the photo set), made by stage 1.
+# SMOKE=1 runs the same stages on the CPU at toy sizes (figures meaningless): check the script before a loan.
+set -u
+PY=${PYTHON:-python3}  # the interpreter with torch (a GPU host: its python3; here: .venv/bin/python)
+OUT=${1:?usage: bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]}
+PEER=${2:-}
+if [ "${SMOKE:-0}" = 1 ]; then
+  SIZE=(--device cpu --imgsz 64 --batch-size 8 --steps 4 --warmup 1 --n-val 8 --epochs 2); LOADER_SIZE=(--imgsz 64 --batch 8)
+else
+  SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64)
+fi
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/mpl} YOLO_CONFIG_DIR=${YOLO_CONFIG_DIR:-/tmp/yolo_cfg}
+cd "$(dirname "$0")/.."
+
+stage() {  # stage NAME SECONDS COMMAND...: run, log to OUT/NAME.log, print its tail and exit code
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name (limit ${seconds} s)"
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v '^\$ ' "$OUT/$name.log" | tail -n 45
+  echo "=== $name: exit $rc"
+}
+
+nvidia-smi -L 2>/dev/null | head -2
+"$PY" -c "import torch, torchvision, cv2; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cv2', cv2.__version__, 'cores', __import__('os').cpu_count())"
+
+if [ -n "$PEER" ]; then who=(--ultralytics-python "$PEER"); else who=(--only ours); fi
+rm -rf /tmp/gpu_checks
+stage gpu_train "${TRAIN_SECONDS:-240}" "$PY" bench/gpu_train.py "${who[@]}" --models yolov8n "${SIZE[@]}" \
+  --workers 8 4 --ours-variant workers="--augment-on workers" --ours-variant device="--augment-on device" \
+  --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json"
+stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -q -p no:cacheprovider --durations=10
+stage loader "${LOADER_SECONDS:-100}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \
+  "${LOADER_SIZE[@]}" --workers 0 4 8 --batches 6 --json "$OUT/loader.json"
