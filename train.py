@@ -85,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
+    add_compute_flags(p)
+    add_run_folder_flags(p, ROOT / "runs" / "train")
+    p.add_argument("--seed", type=SEED, default=0, help="global training seed")
+    p.add_argument("--evolve", type=Range(int, min=1), nargs="?", const=300, default=None, metavar="N",
+                   help="evolve the hyperparameters over N trials, YOLOv5's way (300 when no N): a local Optuna study "
+                        "with a genetic sampler in runs/evolve/<name>, writing evolve.csv and hyp_evolve.yaml "
+                        "(pip install -r requirements-tune.txt; docs/tuning.md)")
+    add_cache_flags(p)
+    add_local_rank_flag(p)
+    add_stop_and_resume_flags(p)
+    add_tracking_flags(p)
+    return p
+
+
+def add_compute_flags(p: argparse.ArgumentParser) -> None:
+    """How the step computes: memory format, precision, determinism, compile, image sizes, augmentation's device."""
     add_channels_last_flag(p)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="mixed precision: fp16 autocast with loss scaling on CUDA, bf16 autocast on CPU (default: on for CUDA "
@@ -98,17 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where training augmentation draws its pixels: 'workers' (the loader processes, OpenCV) or "
                         "'device' (the training device, torch: the workers only read images, for GPU nodes with few "
                         "cores per GPU); the same draws and labels either way (auto: workers)")
-    add_run_folder_flags(p, ROOT / "runs" / "train")
-    p.add_argument("--seed", type=SEED, default=0, help="global training seed")
-    p.add_argument("--evolve", type=Range(int, min=1), nargs="?", const=300, default=None, metavar="N",
-                   help="evolve the hyperparameters over N trials, YOLOv5's way (300 when no N): a local Optuna study "
-                        "with a genetic sampler in runs/evolve/<name>, writing evolve.csv and hyp_evolve.yaml "
-                        "(pip install -r requirements-tune.txt; docs/tuning.md)")
-    add_cache_flags(p)
-    add_local_rank_flag(p)
-    add_stop_and_resume_flags(p)
-    add_tracking_flags(p)
-    return p
 
 
 def add_tracking_flags(p: argparse.ArgumentParser) -> None:
