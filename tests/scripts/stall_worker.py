@@ -1,5 +1,5 @@
 """Test helper for tests/test_watchdog.py: train.py whose training loader worker stalls (sleeps, as
-if wedged) on the first sample of the third batch of 4, so the main process waits for that batch.
+if wedged) on its third batch, so the main process waits for that batch.
 It prints the worker's pid, so the test can check the worker does not outlive its rank.
 
 usage: stall_worker.py TRAIN_ARGS...   (with --workers 1 --batch-size 4)
@@ -13,19 +13,19 @@ import torch.utils.data
 import train
 from utils.data.dataset import LoadImagesAndLabels
 
-real_getitem = LoadImagesAndLabels.__getitem__
-samples = 0  # counted in the worker process: its own copy after the fork
+real_getitems = LoadImagesAndLabels.__getitems__
+batches = 0  # counted in the worker process: its own copy after the fork
 
 
-def stalling_getitem(self, item):
-    global samples
+def stalling_getitems(self, items):
+    global batches
     if self.augment and torch.utils.data.get_worker_info() is not None:  # a training loader's worker
-        samples += 1
-        if samples == 9:
+        batches += 1
+        if batches == 3:
             print(f"stalling loader worker pid {os.getpid()}", file=sys.stderr, flush=True)
             time.sleep(3600)
-    return real_getitem(self, item)
+    return real_getitems(self, items)
 
 
-LoadImagesAndLabels.__getitem__ = stalling_getitem
+LoadImagesAndLabels.__getitems__ = stalling_getitems
 sys.exit(train.cli(sys.argv[1:]))

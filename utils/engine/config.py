@@ -69,12 +69,12 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     """
     given = vars(opt)
     if not opt.resume:
-        return Resume(ResolvedArgs(**size_defaults(given)))
+        return Resume(ResolvedArgs(**given))
     if opt.resume == "auto":
         path = Path(opt.project) / opt.name / "weights" / "last.pt"
         if not path.is_file():
             LOGGER.info(f"--resume auto: no {path} yet; starting the run")
-            return Resume(ResolvedArgs(**size_defaults({**given, "resume": False, "exist_ok": True})))
+            return Resume(ResolvedArgs(**{**given, "resume": False, "exist_ok": True}))
     else:
         path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     if path is None:
@@ -97,8 +97,8 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
         LOGGER.info("Resuming with changed arguments: " + ", ".join(
             f"{k}: {saved.args[k]} -> {v}" for k, v in sorted(changed.items())))
     # the given arguments first: a flag newer than the saved run keeps its given (or default) value
-    args = ResolvedArgs(**size_defaults({**given, **saved.args, **changed, "local_rank": opt.local_rank,
-                                         "resume": str(path), "save_dir": str(path.parent.parent)}))
+    args = ResolvedArgs(**{**given, **saved.args, **changed, "local_rank": opt.local_rank, "resume": str(path),
+                           "save_dir": str(path.parent.parent)})
     part = f", batch {saved.batches_done + 1}" if saved.batches_done else ""
     LOGGER.info(f"Resuming {path} from epoch {saved.epochs_done + 1}{part} of {args.epochs}")
     return Resume(args, saved)
@@ -132,10 +132,10 @@ def _same_arg(given, saved) -> bool:
 
 
 def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistInfo()) -> RunConfig:
-    """The frozen config: the device's layout and precision defaults, the family's hyp file, the run
-    folder (rank 0's choice, shared: call it on every rank once the process group is up) and
+    """The frozen config: the image size and epochs by purpose (size_defaults), the device's layout and
+    precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every rank once the process group is up) and
     --batch-size -1's profiled batch (every rank's GPU, utils/engine/autobatch.py)."""
-    args, saved = resume.args, resume.saved
+    args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
