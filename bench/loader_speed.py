@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from bench.val_speed import Timers  # noqa: E402
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 from utils.core.cpu import tune_malloc  # noqa: E402
 from utils.core.dist import DistInfo  # noqa: E402
@@ -64,33 +64,6 @@ from utils.data.loader import TrainSampler, create_dataloader  # noqa: E402
 STAGES = ("read+decode", "plan", "placement", "warp", "colour", "flip", "assembly")
 
 
-class StageTimer:
-    """Seconds per stage, from wrapped module-level functions of the pipeline (looked up at call time, so
-    every call goes through the wrapper); put back by ``restore``."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, name: str, stage: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[stage] += time.perf_counter() - t0
-
-        self._undo.append((owner, name, inner))
-        setattr(owner, name, timed)
-
-    def restore(self) -> None:
-        for owner, name, inner in reversed(self._undo):
-            setattr(owner, name, inner)
-        self._undo.clear()
-
-
 def stage_times(data, hyp: Hyp, imgsz: int, batch: int, batches: int) -> dict[str, float]:
     """Ours, in process: ms per sample of each stage over ``batches`` training batches (epoch 0, mosaic on)."""
     ds = dataset_module.LoadImagesAndLabels(data.train, imgsz, batch, augment=True, hyp=hyp, nc=data.nc,
@@ -101,13 +74,13 @@ def stage_times(data, hyp: Hyp, imgsz: int, batch: int, batches: int) -> dict[st
     keys = list(sampler)
     groups = [keys[i:i + batch] for i in range(0, min(len(keys), batch * (batches + 1)), batch)]
     ds.__getitems__(groups[0])  # warm: scratch buffers, the batch ring
-    timer = StageTimer()
-    timer.wrap(dataset_module.LoadImagesAndLabels, "load_image", "read+decode")
-    timer.wrap(dataset_module, "plan_sample", "plan")
-    timer.wrap(render_module, "warp_image", "warp")
-    timer.wrap(render_module, "draw_composite", "placement")  # includes the warp and reads: subtracted below
-    timer.wrap(render_module, "colour_into", "colour")
-    timer.wrap(render_module, "flip_in_place", "flip")
+    timer = Timers()  # bench/val_speed.py's: wrapped module-level names, looked up at call time
+    for owner, name, stage in ((dataset_module.LoadImagesAndLabels, "load_image", "read+decode"),
+                               (dataset_module, "plan_sample", "plan"), (render_module, "warp_image", "warp"),
+                               (render_module, "draw_composite", "placement"),  # holds the warp and reads: subtracted
+                               (render_module, "colour_into", "colour"), (render_module, "flip_in_place", "flip")):
+        if not timer.wrap(owner, name, stage):
+            raise SystemExit(f"loader_speed.py: {owner.__name__}.{name} is gone; update the stage list")
     n, t0 = 0, time.perf_counter()
     try:
         for g in groups[1:]:

@@ -50,19 +50,10 @@ class Batch(NamedTuple):
         return len(self.indices)
 
 
-def collate_fn(batch: list | Batch) -> Batch:
-    """A dataset that builds whole batches (``__getitems__``) hands them over as they are; single samples
-    are stacked, each label row tagged with its image's batch position."""
-    if isinstance(batch, Batch):
-        return batch
-    images, labels, paths, placements, indices = zip(*batch)
-    targets = []
-    for i, lb in enumerate(labels):
-        lb = lb.clone()
-        lb[:, 0] = i
-        targets.append(lb)
-    return Batch(torch.stack(images, 0), torch.cat(targets, 0).float(), tuple(paths), tuple(placements),
-                 torch.as_tensor(indices, dtype=torch.long))
+def collate_fn(batch: Batch) -> Batch:
+    """The DataLoader's collate step: the dataset builds whole batches (``__getitems__``), handed over as
+    they are."""
+    return batch
 
 
 def batch_targets(plans: list[SamplePlan]) -> torch.Tensor:

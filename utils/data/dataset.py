@@ -127,9 +127,9 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
 
     def plan_inputs(self) -> PlanInputs:
         """What planning reads of this dataset (its arrays, not copies)."""
-        shapes = self.batch_shapes[self.batch_index] if self.rect else None
         return PlanInputs(img_size=self.img_size, augment=self.augment, hyp=self.hyp, loaded_hw=self.loaded_hw,
-                          orig_hw=self.image_hw, labels=self.labels, shapes=shapes)
+                          orig_hw=self.image_hw, labels=self.labels,
+                          batch_shapes=self.batch_shapes if self.rect else None, batch_index=self.batch_index)
 
     @property
     def loaded_hw(self) -> np.ndarray:

@@ -98,7 +98,7 @@ def render_batch(d: DeferredImages, device: torch.device) -> torch.Tensor:
     """A packed batch drawn on ``device``: float32 (B, 3, H, W) RGB in
     [0, 1], channels_last strides."""
     tiles = d.tiles.to(device, non_blocking=True)
-    comps = d.composites.numpy() if d.composites.device.type == "cpu" else d.composites.cpu().numpy()
+    comps = d.composites.numpy()  # host rows (pinned or not): the paste's slices are Python ints
     canvas = paste(tiles, d.table.tolist(), comps, device)
     h, w = (int(v) for v in d.out_hw)
     rows = d.composites.to(device, non_blocking=True)

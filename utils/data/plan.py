@@ -73,7 +73,8 @@ class SamplePlan:
 @dataclass(frozen=True)
 class PlanInputs:
     """What planning reads of a dataset: per image its loaded size (after ``resize_long_side``), its
-    original size and labels (normalised [cls, xc, yc, w, h]); the rectangle each image is letterboxed to."""
+    original size and labels (normalised [cls, xc, yc, w, h]); the rectangle each image is letterboxed to (its
+    rect batch's shape)."""
 
     img_size: int
     augment: bool
@@ -81,7 +82,8 @@ class PlanInputs:
     loaded_hw: np.ndarray  # (n, 2) int
     orig_hw: np.ndarray  # (n, 2) int
     labels: Sequence[np.ndarray]
-    shapes: np.ndarray | None  # (n, 2) letterbox shape per image (rect), None: img_size square
+    batch_shapes: np.ndarray | None  # (batches, 2) letterbox shape per rect batch; None: img_size square
+    batch_index: np.ndarray  # (n,) each image's rect batch
 
 
 def plan_sample(inputs: PlanInputs, rng: np.random.Generator, index: int, mosaic: bool,
@@ -216,7 +218,8 @@ def letterboxed(inputs: PlanInputs, index: int,
     pixels [cls, x1, y1, x2, y2], and where the original lies in the letterbox (to map predictions back)."""
     h, w = (int(v) for v in inputs.loaded_hw[index])
     h0, w0 = (int(v) for v in inputs.orig_hw[index])
-    shape = tuple(int(v) for v in inputs.shapes[index]) if inputs.shapes is not None else inputs.img_size
+    shapes = inputs.batch_shapes
+    shape = tuple(int(v) for v in shapes[inputs.batch_index[index]]) if shapes is not None else inputs.img_size
     fit = letterbox_fit((h, w), shape, auto=False, scaleup=inputs.augment)
     ratio, pad = fit.ratio, fit.pad
     placed = Placement(orig_hw=(h0, w0), gain_hw=(h * ratio[1] / h0, w * ratio[0] / w0), pad_hw=(pad[1], pad[0]))
