@@ -25,7 +25,8 @@ class DeferredImages(NamedTuple):
     tiles: torch.Tensor  # uint8 (N,): the tiles' BGR pixels back to back
     table: torch.Tensor  # int64 (T, 3): each tile's first pixel, h, w
     composites: torch.Tensor  # float64 (C, COMPOSITE_COLUMNS): canvas, flips, inverse matrix, tile slots
-    samples: torch.Tensor  # float64 (B, SAMPLE_COLUMNS): composites, mixup ratio, HSV gains
+    samples: torch.Tensor  # float64 (B, SAMPLE_COLUMNS): composites, mixup ratio, HSV on
+    luts: torch.Tensor  # uint8 (B, 3, 256): each sample's hue, saturation and value lookups
     out_hw: tuple[int, int]
 
 

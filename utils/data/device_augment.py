@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from utils.data.augment import hsv_luts
 from utils.data.batch import BatchMemory, DeferredImages
 from utils.data.plan import Composite, SamplePlan
 from utils.data.render import TileSource
@@ -29,8 +30,8 @@ from utils.data.render import TileSource
 SLOTS, SLOT_COLUMNS, MATRIX_AT = 4, 7, 5
 SLOTS_AT = MATRIX_AT + 9
 COMPOSITE_COLUMNS = SLOTS_AT + SLOTS * SLOT_COLUMNS
-# sample rows: first composite, second composite (-1: none), first composite's weight, HSV on, 3 gains
-SAMPLE_COLUMNS = 7
+# sample rows: first composite, second composite (-1: none), first composite's weight, HSV on
+SAMPLE_COLUMNS = 4
 GREY = 114
 CHUNK_PIXELS = 1 << 24  # output pixels warped at once: bounds the gather's temporaries
 
@@ -72,15 +73,17 @@ def pack(plans: list[SamplePlan], tiles: TileSource, memory: BatchMemory) -> Def
         img = np.ascontiguousarray(tiles.get(t))
         pixels[table[k, 0] * 3:(table[k, 0] + img.shape[0] * img.shape[1]) * 3] = img.reshape(-1)
     composites, samples = [], np.zeros((len(plans), SAMPLE_COLUMNS))
+    luts = np.zeros((len(plans), 3, 256), np.uint8)
     for b, plan in enumerate(plans):
         first = len(composites)
         for comp in plan.composites:
             composites.append(_composite_row(comp, plan, ids))
         samples[b, :3] = first, first + 1 if len(plan.composites) > 1 else -1, plan.mix_ratio
-        if plan.hsv is not None:
-            samples[b, 3:7] = 1, *plan.hsv
+        if plan.hsv is not None:  # the loader's own tables (utils.data.augment.hsv_luts)
+            samples[b, 3] = 1
+            luts[b] = hsv_luts(plan.hsv)
     return DeferredImages(tiles=buf, table=torch.from_numpy(table), composites=torch.from_numpy(np.stack(composites)),
-                          samples=torch.from_numpy(samples), out_hw=tuple(plans[0].out_hw))
+                          samples=torch.from_numpy(samples), luts=torch.from_numpy(luts), out_hw=tuple(plans[0].out_hw))
 
 
 def _composite_row(comp: Composite, plan: SamplePlan, ids: dict) -> np.ndarray:
@@ -106,7 +109,7 @@ def render_batch(d: DeferredImages, device: torch.device) -> torch.Tensor:
     warped = torch.cat([warp(canvas[i:i + per_chunk], rows[i:i + per_chunk], (h, w))
                         for i in range(0, len(comps), per_chunk)])
     samples = d.samples.to(device, non_blocking=True)
-    rgb = colour(mix(warped, samples), samples)
+    rgb = colour(mix(warped, samples), samples, d.luts.to(device, non_blocking=True))
     return rgb.float().div_(255).permute(0, 3, 1, 2)
 
 
@@ -181,11 +184,12 @@ def mix(warped: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     return torch.where(mixed.view(-1, 1, 1, 1), blended, first)
 
 
-def colour(img: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
     """Each sample's HSV gains (where it has them) and the BGR -> RGB order: uint8 (B, H, W, 3) RGB.
 
     OpenCV's own 8-bit conversions, as tables over every colour (``colour_tables``), so the device repeats
-    the loader's cvtColor exactly; between them the per-sample lookups of utils.data.augment.hsv_luts."""
+    the loader's cvtColor exactly; between them each sample's hue, saturation and value lookups ``luts``
+    (B, 3, 256), packed by the workers with utils.data.augment.hsv_luts."""
     bgr = img.to(torch.uint8)
     on = samples[:, 3] > 0
     if not bool(on.any()):
@@ -193,22 +197,11 @@ def colour(img: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     to_hsv, to_rgb = colour_tables(img.device)
     idx = (bgr[..., 0].long() << 16) | (bgr[..., 1].long() << 8) | bgr[..., 2].long()
     h, s, v = to_hsv[idx].long().unbind(-1)
-    luts = sample_luts(samples[:, 4:7]).view(-1)  # (B, 3, 256) -> flat
+    luts = luts.reshape(-1)
     k = torch.arange(len(img), device=img.device).view(-1, 1, 1) * 768
     h, s, v = luts[k + h], luts[k + 256 + s], luts[k + 512 + v]
     rgb = to_rgb[(h.long() * 256 + s.long()) * 256 + v.long()]
     return torch.where(on.view(-1, 1, 1, 1), rgb, bgr.flip(-1))
-
-
-def sample_luts(gains: torch.Tensor) -> torch.Tensor:
-    """(B, 3, 256) uint8: each sample's hue, saturation and value tables, as utils.data.augment.hsv_luts
-    computes them (float64; a sample without HSV has gains 0 here and is not looked up)."""
-    x = torch.arange(256, dtype=torch.float64, device=gains.device)
-    g = gains.double()
-    hue = torch.remainder(x * g[:, :1], 180.0)
-    sat = torch.clamp(x * g[:, 1:2], 0, 255)
-    val = torch.clamp(x * g[:, 2:3], 0, 255)
-    return torch.stack((hue, sat, val), 1).to(torch.uint8)
 
 
 _TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
