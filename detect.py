@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end2end", action=argparse.BooleanOptionalAction, default=None,
                    help="an end-to-end (NMS-free) model's own detections, or its NMS branch (default: the model's "
                         "mode; an export runs only the mode it was exported in)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch (per rank)")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch over all ranks (split evenly)")
     add_device_flags(p)
     add_workers_flag(p, reads="images")
     p.add_argument("--half", action="store_true",
@@ -99,7 +99,7 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
     sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
-    device = dist.select_device(opt.device, info=info)
+    device = dist.select_device(opt.device, opt.batch_size, info=info)
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):
             dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
@@ -122,7 +122,8 @@ def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.Di
     predictor = Predictor(backend, device, predict_options(opt, meta, device))
     writer = Writer(save_dir, meta.names, save_options(opt))
     started = time.perf_counter()
-    report = run_shard(sources, predictor, writer, ShardSettings(imgsz, opt.batch_size, opt.workers), info)
+    settings = ShardSettings(imgsz, dist.per_rank_batch(opt.batch_size, info), opt.workers)
+    report = run_shard(sources, predictor, writer, settings, info)
     if info.is_main:
         note_problems(sources.problems, sources.duplicates, report)
     return finish(report, list(meta.names), started, imgsz, opt.batch_size, save_dir, info)

@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
     p.add_argument("--patience", type=Range(int, min=0), default=100,
                    help="early stop after this many epochs without improvement (0: never)")
-    p.add_argument("--val-batch-size", type=Range(int, min=1), default=32,
-                   help="validation images per batch (per rank)")
+    p.add_argument("--val-batch-size", type=Range(int, min=1), default=None,
+                   help="validation images per batch over all ranks, like --batch-size (default: twice --batch-size)")
     p.add_argument("--noval", action="store_true", help="only validate the final epoch")
     p.add_argument("--keep-optimizer", action="store_true", help="do not strip the optimizer from best/last.pt at the end")
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")

@@ -7,7 +7,8 @@
     python val.py --weights best.onnx        # an export.py file: its metadata names the dataset and size
 
 Every rank scores a contiguous shard of whole batches (utils/eval/evaluate.py, the same library
-training validates with); the numbers do not depend on the world size. Rank 0 then saves into
+training validates with) at the rect shapes of its global --batch-size, so the numbers do not
+depend on the world size (docs/architecture.md says where a backend's batch size moves the last bits). Rank 0 then saves into
 runs/val/exp, exp2, ...: --save-txt labels/<stem>.txt; --save-json predictions.json and
 ground_truth.json (COCO, ids as in utils/eval/coco.py, so pycocotools reproduces the mAP); either
 also metrics.json; and the curves, confusion matrix and batch pictures unless --noplots.
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoints (yolotrain, YOLOv5 or Ultralytics .pt) or .onnx/.torchscript files from export.py, "
                         "scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch (per rank)")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch over all ranks (split evenly, as train.py's)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
                    help="inference size (default: training size)")
     p.add_argument("--conf-thres", type=Range(float, min=0, max=1), default=0.001, help="confidence threshold")
@@ -112,7 +113,7 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     setup_logging(info.rank, info.world_size)
     dist.set_cpu_threads(info, opt.threads)
     opt = check_opt(opt)
-    device = dist.select_device(opt.device, info=info)
+    device = dist.select_device(opt.device, opt.batch_size, info=info)
     opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device, half=opt.half))
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
@@ -158,7 +159,7 @@ def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistIn
     result = evaluate_model(model, loader, device, names, info, options)
     pre, inf, nms = result.speed_ms
     LOGGER.info(f"Speed: {pre:.1f}ms pre-process, {inf:.1f}ms inference, {nms:.1f}ms NMS per image at "
-                f"shape ({opt.batch_size}, 3, {imgsz}, {imgsz})")
+                f"shape ({dist.per_rank_batch(opt.batch_size, info)}, 3, {imgsz}, {imgsz})")
     LOGGER.info(f"Results: mAP50 {result.metrics.map50:.4f}  mAP50-95 {result.metrics.map:.4f}")
     if save_dir is not None and info.is_main:  # after the evaluation's broadcast: a write error stalls no rank
         save_outputs(opt, result, loader.dataset, names, save_dir, weights, data, imgsz, meta.end2end)
@@ -203,7 +204,8 @@ def get_loader(opt: argparse.Namespace, data: DataConfig, single_cls: bool, imgs
     task = task_split(opt)
     key = (str(data.file), task, imgsz, stride, single_cls, rect)
     if key not in loaders:  # nc is the file's class count: single-cls relabels rows to 0 after the scan
-        loaders[key] = create_dataloader(getattr(data, task), imgsz, opt.batch_size, stride, info=info,
+        batch = dist.per_rank_batch(opt.batch_size, info)
+        loaders[key] = create_dataloader(getattr(data, task), imgsz, batch, stride, info=info,
                                          single_cls=single_cls, rect=rect, pad=0.5, workers=opt.workers,
                                          nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir,
                                          prefix=f"{task}: ", report_dir=run_dir)

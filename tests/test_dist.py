@@ -37,6 +37,9 @@ def test_batch_not_divisible_by_world_size():
     info = dist.DistInfo(rank=0, local_rank=0, world_size=3, local_world_size=3)
     with pytest.raises(UserError, match="--batch-size 16 must be a multiple of the world size 3"):
         dist.select_device("cpu", 16, info)
+    with pytest.raises(UserError, match="--val-batch-size 8 must be a multiple of the world size 3"):
+        dist.per_rank_batch(8, info, "--val-batch-size")
+    assert dist.per_rank_batch(12, info) == 4  # every CLI's batch is global: a rank takes its share
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
@@ -113,7 +116,7 @@ def _events(log):
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-TRAIN_ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "2", "--workers", "0", "--epochs", "2",
+TRAIN_ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "8", "--workers", "0", "--epochs", "2",
               "--noautoanchor"]
 
 

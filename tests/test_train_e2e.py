@@ -47,7 +47,8 @@ def test_ddp_training_writes_one_set_of_files(ddp_run):
     assert sorted(f.name for f in (run_dir / "weights").iterdir()) == ["best.pt", "last.pt"]
     pictures = ["F1_curve.png", "PR_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png", "labels.jpg",
                 "results.png", "train_batch0.jpg", "train_batch1.jpg", "train_batch2.jpg", "val_batch0_labels.jpg",
-                "val_batch0_pred.jpg"]  # 2 val batches over 2 ranks: rank 0 draws the first
+                "val_batch0_pred.jpg", "val_batch1_labels.jpg", "val_batch1_pred.jpg"]  # rank 0 draws its own two
+    # 8 val images at a global --val-batch-size 4: batches of 2 per rank, the first 4 images on rank 0
     assert sorted(f.name for f in run_dir.iterdir()) == sorted(["hyp.yaml", "opt.yaml", "results.csv", "weights",
                                                                 *pictures])  # rank 0's, no temp files
     assert all(cv2.imread(str(run_dir / f)) is not None for f in pictures)

@@ -75,7 +75,7 @@ def test_yolo26_two_ranks_stopped_and_resumed_end_as_the_undisturbed_run(tiny_da
     best, scores = tmp_path / "straight" / "weights" / "best.pt", []
     for launcher, name in (([sys.executable], "v1"), (TORCHRUN, "v2")):
         p = _run([*launcher, "val.py", "--weights", str(best), "--data", str(tiny_data), "--imgsz", "64",
-                  "--batch-size", "3", "--save-json", "--noplots", "--project", str(tmp_path), "--name", name])
+                  "--batch-size", "6", "--save-json", "--noplots", "--project", str(tmp_path), "--name", name])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         scores.append(json.loads((tmp_path / name / "metrics.json").read_text())["metrics"])
         assert json.loads((tmp_path / name / "metrics.json").read_text())["end2end"] is True

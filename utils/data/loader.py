@@ -170,7 +170,8 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
                       shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
                       prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None,
                       reuse_memory: bool = False, render_on_device: bool = False) -> DataLoader:
-    """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank.
+    """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank (the global
+    batch over ``info.world_size``).
 
     The dataset is ``loader.dataset``. ``shuffle=True`` marks a training loader (TrainSampler, equal
     batch count on every rank, and a split without any label is an error); otherwise evaluation
@@ -186,9 +187,11 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     if rect and shuffle:
         LOGGER.warning("WARNING: --rect is incompatible with shuffling, setting shuffle=False")
         shuffle = False
-    # Training shards interleave (rank::ws), so rectangle shapes are shared across a global batch;
-    # with drop_last no padded index from another batch lands in a rank's last batch.
-    dataset_bs = batch_size * info.world_size if (training and rect) else batch_size
+    # Rectangle shapes are shared across a global batch: a training batch is cut into one block per rank
+    # (with drop_last no padded index from another batch lands in a rank's last batch), and an evaluation
+    # shard's per-rank batches are aligned to it, so each image is letterboxed to the same shape whatever
+    # the world size.
+    dataset_bs = batch_size * info.world_size if rect else batch_size
     error: UserError | None = None
     with torch_distributed_zero_first(info.local_rank):
         try:

@@ -133,8 +133,8 @@ def _same_arg(given, saved) -> bool:
 
 def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistInfo()) -> RunConfig:
     """The frozen config: the image size and epochs by purpose (size_defaults), the device's layout and
-    precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every rank once the process group is up) and
-    --batch-size -1's profiled batch (every rank's GPU, utils/engine/autobatch.py)."""
+    precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every rank once the process group is up),
+    --batch-size -1's profiled batch (every rank's GPU, utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
@@ -144,9 +144,11 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     if batch == AUTO_BATCH:
         batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,
                                 info.world_size, amp, channels_last)
+    val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
+    dist.per_rank_batch(val_batch, info, "--val-batch-size")
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
                         "channels_last": channels_last, "amp": amp, "batch_size": batch,
-                        "augment_on": augment_default(args.augment_on)})
+                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on)})
 
 
 def augment_default(flag: str) -> str:

@@ -100,7 +100,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     model, model_info = build_model(cfg, saved, source, len(names), data.anchors, na, device)
     grid = max(int(model.stride.max()), 32)
     imgsz = round_to_stride(cfg.imgsz, grid)
-    batch = cfg.batch_size // info.world_size
+    batch = dist.per_rank_batch(cfg.batch_size, info)
     train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir, device)
     if not saved and not cfg.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
@@ -206,8 +206,8 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
     train_loader = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
                                      shuffle=True, prefix="train: ", render_on_device=opt.augment_on == "device",
                                      **common)
-    val_loader = create_dataloader(data.val, imgsz, opt.val_batch_size, rect=True, pad=0.5, prefix="val: ",
-                                   **common)
+    val_batch = dist.per_rank_batch(opt.val_batch_size, info, "--val-batch-size")
+    val_loader = create_dataloader(data.val, imgsz, val_batch, rect=True, pad=0.5, prefix="val: ", **common)
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
         train_loader.sampler.close_mosaic_from(max(opt.epochs - int(hyp.close_mosaic), 0))
     return train_loader, val_loader
