@@ -147,7 +147,7 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
     with pytest.raises(FrozenInstanceError):
         del cfg.seed
     longer = cfg.replace(epochs=30)
-    assert (longer.epochs, cfg.epochs) == (30, 7) and longer.as_dict().keys() == cfg.as_dict().keys()
+    assert (longer.epochs, cfg.epochs) == (30, 8) and longer.as_dict().keys() == cfg.as_dict().keys()
     (tmp_path / "run").mkdir()  # taken: a fresh run gets the next folder, an anchor-free model its own hyp file
     free = resolve_config(Resume(ResolvedArgs(**{**args, "cfg": "models/yolov8n.yaml"})), torch.device("cpu"))
     assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(DEFAULT_HYP_ANCHOR_FREE)
