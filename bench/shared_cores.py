@@ -35,7 +35,7 @@ from utils.core.cpu import usable_cpus  # noqa: E402
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
-    p.add_argument("--cfg", default="models/yolov8.yaml", help="model yaml")
+    p.add_argument("--cfg", default="yolov8n.yaml", help="model yaml")
     p.add_argument("--imgsz", type=int, default=256)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16)
