@@ -75,7 +75,8 @@ class CoreShare:
         return self.refresh(force=True)
 
     def leave(self) -> None:
-        self.entry.unlink(missing_ok=True)
+        if os.getpid() == self.pid:  # never from a forked child (a loader worker) that inherited this object
+            self.entry.unlink(missing_ok=True)
 
     def others(self) -> list[int]:
         """The fixed thread counts of the other live registered processes (0 for a sharing one); the entries
