@@ -126,14 +126,3 @@ def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):
         assert d.amp_default(None, cuda) is True and d.amp_default(None, cuda, legacy=True) is True
         assert d.amp_default(False, cuda) is False and d.amp_default(True, cpu, legacy=True) is True
     assert d.amp_dtype(cpu) == torch.bfloat16 and d.amp_dtype(cuda) == torch.float16
-
-
-def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_short_run():
-    from utils.engine.optim import warmup_iters
-
-    assert warmup_iters(3.0, 63, 30) == 189  # 30 epochs or more: YOLOv5's 3 epochs
-    assert warmup_iters(3.0, 63, 100) == 189
-    assert warmup_iters(3.0, 20, 100) == 100  # its 100-batch floor
-    assert warmup_iters(3.0, 63, 6) == 38  # a 6-epoch run: a tenth, not half of it
-    assert warmup_iters(3.0, 2, 1) == 1
-    assert warmup_iters(3.0, 63, None) == 189  # --time: the run's length is unknown

@@ -135,12 +135,10 @@ def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed:
     if distributed:
         p.add_argument("--device", default=default, help=f"CUDA device(s), e.g. 0, 0,1,2,3, cuda:1, or cpu {shown}")
         p.add_argument("--threads", type=Range(int, min=0), default=0,
-                       help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores, shared "
-                            "with the other yolotrain jobs on the machine)")
+                       help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
     else:
         p.add_argument("--device", default=default, help=f"CUDA device, e.g. 0 or cuda:1, or cpu {shown}")
-        p.add_argument("--threads", type=Range(int, min=0), default=0,
-                       help="CPU threads (0: torch's default, shared with the other yolotrain jobs on the machine)")
+        p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
 
 
 def add_workers_flag(p: argparse.ArgumentParser, reads: str = "") -> None:

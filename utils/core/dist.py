@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.core import cores, watchdog
+from utils.core import watchdog
 from utils.core.cpu import usable_cpus
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
@@ -91,10 +91,12 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def set_cpu_threads(info: DistInfo, requested: int = 0) -> int:
-    """Intra-op threads for this rank: ``requested``, else torch's default count capped so that the
-    node's ranks x threads <= its cores, and shared with the other yolotrain processes on the machine
-    (utils/core/cores.py: several CPU jobs must not oversubscribe it)."""
-    return cores.join(usable_cpus(), info.local_world_size, max(requested, 0))
+    """Intra-op threads for this rank: ``requested``, else torch's current count capped so that the
+    node's ranks x threads <= its cores (several CPU ranks must not oversubscribe the machine)."""
+    cores = usable_cpus()
+    n = requested if requested > 0 else min(torch.get_num_threads(), max(1, cores // max(info.local_world_size, 1)))
+    torch.set_num_threads(n)
+    return n
 
 
 def is_dist() -> bool:
@@ -283,13 +285,11 @@ def _restart_store(info: DistInfo, timeout: datetime.timedelta):
 
 def cleanup_distributed() -> None:
     """Leave the process group init_distributed created (safe to call when none exists); a group the
-    caller made stays, less the CPU group made for it; a nested call's cleanup leaves both to the outer one.
-    The run's entry in the machine's core share goes with it (a notebook's idle process takes no cores)."""
+    caller made stays, less the CPU group made for it; a nested call's cleanup leaves both to the outer one."""
     global _CPU_GROUP, _OWN_GROUP, _HOLDS
     _HOLDS = max(_HOLDS - 1, 0)
     if _HOLDS:
         return
-    cores.leave()
     if is_dist():
         dist.destroy_process_group(None if _OWN_GROUP else _CPU_GROUP)
     _CPU_GROUP, _OWN_GROUP = None, False

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from utils.core import cores, dist
+from utils.core import dist
 from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
@@ -239,7 +239,6 @@ def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int)
             item = next(it, _END)
         if item is _END:
             return
-        cores.refresh()  # between steps: follow the jobs that started or ended beside this one
         yield item
 
 

@@ -7,7 +7,7 @@ from models.yolo import de_parallel
 from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, SIZE_DEFAULTS
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL
 from utils.engine.setup import Training
 from utils.engine.state import saved_metrics
 
@@ -51,11 +51,10 @@ def log_start_summary(t: Training) -> None:
 
 def sizing_note(opt) -> str:
     """Which --imgsz/--epochs defaults applied (a fresh run that left one out), and why."""
-    demo, yours = (f"{d['imgsz']} px, {d['epochs']} epochs" for d in SIZE_DEFAULTS.values())
     if opt.sized_for == "demo":
-        return f" (the built-in demo's defaults: {demo}; your own --data defaults to {yours})"
+        return " (the built-in demo's defaults: 320 px, 15 epochs; your own --data defaults to 640 px, 100 epochs)"
     if opt.sized_for == "your data":
-        return f" (defaults for your own data, as YOLOv5 and Ultralytics: {yours}; --imgsz, --epochs to change)"
+        return " (defaults for your own data, as YOLOv5 and Ultralytics: 640 px, 100 epochs; --imgsz, --epochs to change)"
     return ""
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils.core import cores, dist, watchdog
+from utils.core import dist, watchdog
 from utils.core.boxes import postprocess
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
@@ -119,7 +119,6 @@ def _score_shard(net, loader, device, names, info: DistInfo, opts: EvalOptions, 
                f"{'mAP50':>11}{'mAP50-95':>11}", bar_format="{l_bar}{bar:10}{r_bar}", disable=not info.is_main,
                leave=False)
     for batch in watchdog.beats(bar):  # each batch is progress: a long validation is not a hang
-        cores.refresh()
         t0 = time.perf_counter()
         imgs = batch.images.to(device, non_blocking=True)
         imgs = (imgs.half() if half else imgs.float()).div_(255).contiguous(memory_format=memory_format)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from utils.core import cores, watchdog
+from utils.core import watchdog
 from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
@@ -115,7 +115,6 @@ def predict_batches(sources: Sources, predictor: Predictor, settings: ShardSetti
     loader = image_loader(sources.images, settings, keep_original, info) if sources.images else None
     videos = my_videos(sources, image_loads(sources, settings, info), info) if videos is None else videos
     for batch in watchdog.beats(loader or ()):  # each batch is progress: a long run is not a hang
-        cores.refresh()
         for item in batch.failed:
             report.skip(item.path, item.error)
         if batch.images is not None:
