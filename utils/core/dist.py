@@ -160,11 +160,9 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 
 def per_rank_batch(batch_size: int, info: DistInfo, flag: str = "--batch-size") -> int:
-    """This rank's share of a global batch; every CLI's batch flag counts the images of one step over all
-    ranks, so the same number means the same thing in train.py, val.py, detect.py and the Python API."""
+    """This rank's share of a global batch: every CLI's batch flag (and the API's batch=) counts all ranks."""
     if batch_size % info.world_size:
-        raise UserError(f"{flag} {batch_size} must be a multiple of the world size {info.world_size} (it is the "
-                        "global batch, split evenly over the ranks)")
+        raise UserError(f"{flag} {batch_size} must be a multiple of the world size {info.world_size}")
     return batch_size // info.world_size
 
 
@@ -184,8 +182,7 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
         ids = _device_ids(device, spec)
         chosen = torch.device("cuda", _cuda_index(device, ids, info, torch.cuda.device_count()))
         torch.cuda.set_device(chosen)
-    if batch_size > 0:  # -1: AutoBatch picks a multiple later
-        per_rank_batch(batch_size, info)
+    batch_size > 0 and per_rank_batch(batch_size, info)  # -1: AutoBatch picks a multiple later
     if info.is_main:
         if chosen.type == "cuda":
             p = torch.cuda.get_device_properties(chosen)
