@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end2end", action=argparse.BooleanOptionalAction, default=None,
                    help="an end-to-end (NMS-free) model's own detections, or its NMS branch (default: the model's "
                         "mode; an export runs only the mode it was exported in)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=8, help="images or frames per batch over all ranks (split evenly)")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=8,
+                   help="images or frames per batch over all ranks (split evenly)")
     add_device_flags(p)
     add_workers_flag(p, reads="images")
     p.add_argument("--half", action="store_true",

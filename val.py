@@ -8,8 +8,8 @@
 
 Every rank scores a contiguous shard of whole batches (utils/eval/evaluate.py, the same library
 training validates with) at the rect shapes of its global --batch-size, so the numbers do not
-depend on the world size (docs/architecture.md says where a backend's batch size moves the last bits). Rank 0 then saves into
-runs/val/exp, exp2, ...: --save-txt labels/<stem>.txt; --save-json predictions.json and
+depend on the world size (docs/architecture.md says where a backend's batch size moves the last
+bits). Rank 0 then saves into runs/val/exp, exp2, ...: --save-txt labels/<stem>.txt; --save-json predictions.json and
 ground_truth.json (COCO, ids as in utils/eval/coco.py, so pycocotools reproduces the mAP); either
 also metrics.json; and the curves, confusion matrix and batch pictures unless --noplots.
 
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoints (yolotrain, YOLOv5 or Ultralytics .pt) or .onnx/.torchscript files from export.py, "
                         "scored in turn")
     p.add_argument("--data", default=None, help="dataset yaml (default: the one the checkpoint was trained on)")
-    p.add_argument("--batch-size", type=Range(int, min=1), default=32, help="images per batch over all ranks (split evenly, as train.py's)")
+    p.add_argument("--batch-size", type=Range(int, min=1), default=32,
+                   help="images per batch over all ranks (split evenly, as train.py's)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
                    help="inference size (default: training size)")
     p.add_argument("--conf-thres", type=Range(float, min=0, max=1), default=0.001, help="confidence threshold")

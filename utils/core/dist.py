@@ -170,8 +170,7 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
     """Pick this rank's device from a YOLOv5-style string: '' (auto), 'cpu', 'cuda', '0', '0,1', 'cuda:1'.
 
     Indices count the devices this process sees (CUDA_VISIBLE_DEVICES). A device that is not there,
-    one listed twice, or a global batch size that the world size does not divide, is a UserError.
-    """
+    one listed twice, or a global batch size that the world size does not divide, is a UserError."""
     info = info or dist_info()
     spec = str(device).strip().lower().replace(" ", "")
     if spec == "cpu" or (spec == "" and not torch.cuda.is_available()):
@@ -182,7 +181,8 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
         ids = _device_ids(device, spec)
         chosen = torch.device("cuda", _cuda_index(device, ids, info, torch.cuda.device_count()))
         torch.cuda.set_device(chosen)
-    batch_size > 0 and per_rank_batch(batch_size, info)  # -1: AutoBatch picks a multiple later
+    if batch_size > 0:  # -1: AutoBatch picks a multiple later
+        per_rank_batch(batch_size, info)
     if info.is_main:
         if chosen.type == "cuda":
             p = torch.cuda.get_device_properties(chosen)

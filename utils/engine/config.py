@@ -133,8 +133,9 @@ def _same_arg(given, saved) -> bool:
 
 def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistInfo()) -> RunConfig:
     """The frozen config: the image size and epochs by purpose (size_defaults), the device's layout and
-    precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every rank once the process group is up),
-    --batch-size -1's profiled batch (every rank's GPU, utils/engine/autobatch.py) and the global validation batch."""
+    precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every
+    rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
+    utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)

@@ -7,7 +7,7 @@ from models.yolo import de_parallel
 from utils.core import dist
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL
+from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, SIZE_DEFAULTS
 from utils.engine.setup import Training
 from utils.engine.state import saved_metrics
 
@@ -51,10 +51,12 @@ def log_start_summary(t: Training) -> None:
 
 def sizing_note(opt) -> str:
     """Which --imgsz/--epochs defaults applied (a fresh run that left one out), and why."""
+    demo, yours = (f"{SIZE_DEFAULTS[k]['imgsz']} px, {SIZE_DEFAULTS[k]['epochs']} epochs"
+                   for k in ("demo", "your data"))
     if opt.sized_for == "demo":
-        return " (the built-in demo's defaults: 320 px, 15 epochs; your own --data defaults to 640 px, 100 epochs)"
+        return f" (the built-in demo's defaults: {demo}; your own --data defaults to {yours})"
     if opt.sized_for == "your data":
-        return " (defaults for your own data, as YOLOv5 and Ultralytics: 640 px, 100 epochs; --imgsz, --epochs to change)"
+        return f" (defaults for your own data, as YOLOv5 and Ultralytics: {yours}; --imgsz, --epochs to change)"
     return ""
 
 
