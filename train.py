@@ -30,7 +30,7 @@ from utils.core.logging import setup_logging
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
 from utils.engine.autobatch import BATCH_SIZE
-from utils.engine.config import SIZE_DEFAULTS, RunConfig, resolve_config, resolve_resume
+from utils.engine.config import RunConfig, resolve_config, resolve_resume, size_default_help
 from utils.engine.hooks import Hooks, build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
@@ -61,15 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hyp", default=None,
                    help="hyperparameters yaml (default: hyps/hyp.scratch-low.yaml for anchor heads, hyps/hyp.v8.yaml for "
                         "anchor-free ones)")
-    demo, yours = SIZE_DEFAULTS["demo"], SIZE_DEFAULTS["your data"]
     p.add_argument("--epochs", type=Range(int, min=1), default=None,
-                   help=f"total training epochs (default: {yours['epochs']} on your --data, {demo['epochs']} for the "
-                        "built-in demo)")
+                   help=f"total training epochs (default: {size_default_help('epochs')})")
     p.add_argument("--batch-size", type=BATCH_SIZE, default=16,
                    help="global batch size, split over all ranks; -1: AutoBatch, the largest that fits every GPU (CUDA)")
     p.add_argument("--imgsz", "--img", "--img-size", type=IMGSZ, default=None,
                    help="train and val image size in pixels, rounded up to the model's stride (default: "
-                        f"{yours['imgsz']} on your --data, {demo['imgsz']} for the built-in demo)")
+                        f"{size_default_help('imgsz')})")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
     add_device_flags(p)
     add_workers_flag(p)

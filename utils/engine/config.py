@@ -115,6 +115,11 @@ def size_defaults(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, **{k: SIZE_DEFAULTS[purpose][k] for k in missing}, "sized_for": purpose}
 
 
+def size_default_help(key: str) -> str:
+    """--help's default for --imgsz or --epochs, from SIZE_DEFAULTS."""
+    return f"{SIZE_DEFAULTS['your data'][key]} on your --data, {SIZE_DEFAULTS['demo'][key]} for the built-in demo"
+
+
 def is_demo_data(data: Any) -> bool:
     """Whether --data names the built-in shapes set (train.py's default)."""
     try:
