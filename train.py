@@ -23,6 +23,7 @@ from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
+from utils.core.cores import claim_cores
 from utils.core.cpu import tune_malloc
 from utils.core.errors import Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
@@ -150,9 +151,10 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
     if getattr(opt, "evolve", None):
         raise UserError("--evolve runs from the command line (python train.py --evolve N); from Python, YOLO.tune")
     info = dist.dist_info(opt.local_rank)
-    with StopRequest() as stop:  # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py)
-        setup_logging(info.rank, info.world_size)
-        dist.set_cpu_threads(info, opt.threads)
+    setup_logging(info.rank, info.world_size)
+    # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py); this run's CPU threads,
+    # fixed for the run, counted for a training started beside it (utils/core/cores.py)
+    with StopRequest() as stop, claim_cores(info, opt.threads):
         resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
         check_packages(resume.args)  # --tensorboard, --mlflow: their packages, before anything starts
         device = dist.select_device(resume.args.device, resume.args.batch_size, info)

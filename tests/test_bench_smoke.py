@@ -34,7 +34,7 @@ from tests.conftest import ROOT, run_env
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "infer_speed",
-           "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "train_speed",
+           "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
@@ -342,6 +342,14 @@ def test_train_speed_times_both_families_in_both_layouts(tiny_data, tmp_path):
 # ---------------------------------------------------------------------------------------------- val_speed
 
 VAL_PARTS = ["set-up", "data wait", "pre-process", "inference", "NMS", "matching", "evaluate", "other", "plots"]
+
+
+def test_shared_cores_times_two_runs_beside_one_alone(tiny_data):
+    out = _bench("shared_cores", "--data", tiny_data, "--imgsz", 64, "--batch-size", 4, "--epochs", 1,
+                 "--stagger", 0, "--modes", "alone", "default", "--extra", "--workers", 0).stdout
+    _finite(_line(out, rf"alone +({NUM}) s$")[1])
+    m = _line(out, rf"default +({NUM}) s first, +({NUM}) s second +\(({NUM})x, ({NUM})x alone\)$")
+    assert all(v > 0 for v in _finite(*m.groups()))
 
 
 @pytest.mark.slow

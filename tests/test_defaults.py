@@ -14,7 +14,7 @@ from utils.engine.config import DEMO_DATA, SIZE_DEFAULTS, size_defaults
 
 def test_the_built_in_demo_keeps_its_quick_sizes():
     out = size_defaults({"data": str(DEMO_DATA), "imgsz": None, "epochs": None})
-    assert (out["imgsz"], out["epochs"], out["sized_for"]) == (320, 15, "demo")
+    assert (out["imgsz"], out["epochs"], out["sized_for"]) == (256, 8, "demo")
 
 
 def test_your_data_trains_at_640_for_100_epochs(tmp_path):
@@ -27,7 +27,7 @@ def test_given_values_stand_and_only_the_missing_one_is_filled(tmp_path):
     both = size_defaults({"data": str(tmp_path / "my.yaml"), "imgsz": 416, "epochs": 7})
     assert (both["imgsz"], both["epochs"], both["sized_for"]) == (416, 7, None)
     one = size_defaults({"data": str(DEMO_DATA), "imgsz": 160, "epochs": None})
-    assert (one["imgsz"], one["epochs"], one["sized_for"]) == (160, 15, "demo")
+    assert (one["imgsz"], one["epochs"], one["sized_for"]) == (160, 8, "demo")
 
 
 def test_a_resumed_run_keeps_its_recorded_sizes(tmp_path):
@@ -58,6 +58,6 @@ def test_the_start_summary_says_which_defaults_applied():
 
     from utils.engine.summary import sizing_note
 
-    assert "the built-in demo's defaults: 320 px, 15 epochs" in sizing_note(SimpleNamespace(sized_for="demo"))
+    assert "the built-in demo's defaults: 256 px, 8 epochs" in sizing_note(SimpleNamespace(sized_for="demo"))
     assert "defaults for your own data" in sizing_note(SimpleNamespace(sized_for="your data"))
     assert sizing_note(SimpleNamespace(sized_for=None)) == ""

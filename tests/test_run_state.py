@@ -147,7 +147,7 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
     with pytest.raises(FrozenInstanceError):
         del cfg.seed
     longer = cfg.replace(epochs=30)
-    assert (longer.epochs, cfg.epochs) == (30, 15) and longer.as_dict().keys() == cfg.as_dict().keys()
+    assert (longer.epochs, cfg.epochs) == (30, 8) and longer.as_dict().keys() == cfg.as_dict().keys()
     (tmp_path / "run").mkdir()  # taken: a fresh run gets the next folder, an anchor-free model its own hyp file
     free = resolve_config(Resume(ResolvedArgs(**{**args, "cfg": "models/yolov8n.yaml"})), torch.device("cpu"))
     assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(DEFAULT_HYP_ANCHOR_FREE)
@@ -218,3 +218,16 @@ def test_the_memory_format_default_follows_device_and_precision(monkeypatch):
     assert not dist.channels_last_default(False, cuda, half=True) and dist.channels_last_default(True, cuda)
     monkeypatch.setattr(dist.sys, "platform", "win32")
     assert not dist.channels_last_default(None, cuda, half=True)
+
+
+def test_a_short_run_trains_about_half_its_epochs_in_mosaics():
+    from utils.engine.state import mosaic_off_from
+
+    assert mosaic_off_from(10, 100) == 90 and mosaic_off_from(10, 20) == 10  # YOLOv5's last 10 epochs
+    assert mosaic_off_from(10, 8) == 4 and mosaic_off_from(10, 7) == 3  # at most half, rounded up: 3 of 7
+    assert mosaic_off_from(10, 1) == 0 and mosaic_off_from(3, 2) == 1  # a 1-epoch run closes it throughout
+    assert mosaic_off_from(0, 7) == 7
+    state = _state(0)
+    state.epoch = 0
+    state.replan(6, close_mosaic=10)  # --time's refit follows the same rule
+    assert state.sampler.mosaic_off_from_epoch == 3

@@ -126,3 +126,15 @@ def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):
         assert d.amp_default(None, cuda) is True and d.amp_default(None, cuda, legacy=True) is True
         assert d.amp_default(False, cuda) is False and d.amp_default(True, cpu, legacy=True) is True
     assert d.amp_dtype(cpu) == torch.bfloat16 and d.amp_dtype(cuda) == torch.float16
+
+
+def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
+    from utils.engine.optim import warmup_iters
+
+    assert warmup_iters(3.0, 63, 30) == 189  # 30 epochs or more: YOLOv5's 3 epochs
+    assert warmup_iters(3.0, 63, 100) == 189
+    assert warmup_iters(3.0, 20, 100) == 100  # its 100-batch floor
+    assert warmup_iters(3.0, 250, 8) == 200  # an 8-epoch run: a tenth, not three eighths of it
+    assert warmup_iters(3.0, 63, 8) == 100  # a tenth would be 50: the floor holds
+    assert warmup_iters(3.0, 2, 1) == 100  # a tiny run warms up throughout, as in YOLOv5
+    assert warmup_iters(3.0, 63, None) == 189  # --time: the run's length is unknown

@@ -44,7 +44,7 @@ RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name"
 DEMO_DATA = ROOT / "data" / "shapes.yaml"  # train.py's --data default: the built-in set
 # --imgsz and --epochs when not given, by what is trained: the quick demo on the built-in set (minutes on a
 # CPU), and on a user's data the values YOLOv5 and Ultralytics users expect.
-SIZE_DEFAULTS = {"demo": {"imgsz": 320, "epochs": 15}, "your data": {"imgsz": 640, "epochs": 100}}
+SIZE_DEFAULTS = {"demo": {"imgsz": 256, "epochs": 8}, "your data": {"imgsz": 640, "epochs": 100}}
 
 
 class RunConfig(ResolvedArgs):

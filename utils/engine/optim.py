@@ -139,6 +139,20 @@ def lr_lambda(epochs: int, lrf: float, cos: bool = False) -> Callable[[float], f
     return lambda x: (1 - x / epochs) * (1.0 - lrf) + lrf
 
 
+WARMUP_SHARE = 0.1  # the most of a run of known length that warmup takes, above its 100-batch floor
+WARMUP_FLOOR = 100  # YOLOv5's fewest warmup batches
+
+
+def warmup_iters(warmup_epochs: float, batches_per_epoch: int, epochs: int | None) -> int:
+    """YOLOv5's warmup, ``warmup_epochs`` of batches and at least 100, but at most a tenth of the run's batches
+    where that is above 100 (``epochs``; None: a --time run, whose length is not known): an 8-epoch run would
+    otherwise spend over a third of its steps warming up. Runs of 30 epochs or more keep YOLOv5's warmup."""
+    iters = max(round(warmup_epochs * batches_per_epoch), WARMUP_FLOOR)
+    if epochs is None:
+        return iters
+    return min(iters, max(WARMUP_FLOOR, round(WARMUP_SHARE * batches_per_epoch * epochs)))
+
+
 @dataclass(frozen=True)
 class Warmup:
     """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum, over ``iters``

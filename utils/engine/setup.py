@@ -28,9 +28,9 @@ from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import RunConfig, model_source
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
-    accumulate_steps, choose_optimizer, smart_optimizer
+    accumulate_steps, choose_optimizer, smart_optimizer, warmup_iters
 from utils.engine.recover import NanRecovery
-from utils.engine.state import RunState, SavedRun
+from utils.engine.state import RunState, SavedRun, mosaic_off_from
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 
@@ -114,8 +114,8 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     nb = len(train_loader)  # before any resume skip shortens the sampler
-    warmup = Warmup(iters=max(round(hyp.warmup_epochs * nb), 100), bias_lr=choice.warmup_bias_lr,
-                    momentum0=hyp.warmup_momentum, momentum=choice.momentum)
+    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, nb, None if cfg.time else cfg.epochs),
+                    bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
     lr = LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr)
     state = RunState(epochs=cfg.epochs, batches_per_epoch=nb, model=model, ema=ema, optimizer=optimizer, scaler=scaler,
                      lr=lr, sampler=train_loader.sampler, stopper=EarlyStopping(patience=cfg.patience),
@@ -209,7 +209,7 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
     val_batch = dist.per_rank_batch(opt.val_batch_size, info, "--val-batch-size")
     val_loader = create_dataloader(data.val, imgsz, val_batch, rect=True, pad=0.5, prefix="val: ", **common)
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
-        train_loader.sampler.close_mosaic_from(max(opt.epochs - int(hyp.close_mosaic), 0))
+        train_loader.sampler.close_mosaic_from(mosaic_off_from(hyp.close_mosaic, opt.epochs))
     return train_loader, val_loader
 
 

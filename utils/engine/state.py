@@ -46,6 +46,13 @@ class StopReason(enum.Enum):
     NAN_BUDGET = "nan budget"  # a non-finite loss with no --nan-recover recovery left: exit 1
 
 
+def mosaic_off_from(close_mosaic: float, epochs: int) -> int:
+    """The first epoch without mosaic: the hyp's last ``close_mosaic`` epochs, but at most half the run (rounded
+    up), so a short run still trains about half its epochs on mosaics. Runs of 20 epochs or more keep YOLOv5's
+    and Ultralytics' rule."""
+    return epochs - min(int(close_mosaic), (epochs + 1) // 2)
+
+
 @dataclass(frozen=True)
 class Stop:
     reason: StopReason
@@ -159,7 +166,7 @@ class RunState:
         self.lr.refit(epochs)
         done, off = self.epoch + 1, self.sampler.mosaic_off_from_epoch
         if close_mosaic > 0 and (off is None or off > done):
-            self.sampler.close_mosaic_from(max(epochs - close_mosaic, done))
+            self.sampler.close_mosaic_from(max(mosaic_off_from(close_mosaic, epochs), done))
 
     def state_dict(self) -> dict[str, Any]:
         """The training-state keys of a checkpoint, in weights_only-safe types."""
