@@ -75,6 +75,12 @@ class Model(nn.Module):
         return self.detect.stride
 
     @property
+    def grid(self) -> int:
+        """The multiple every input side is rounded to: the largest stride, at least 32 (the one rule for
+        training, AutoBatch and the FLOPs probe)."""
+        return max(int(self.stride.max()), 32)
+
+    @property
     def end2end(self) -> bool:
         """Whether the eval output is the head's final detections (no NMS): what post-processing reads
         (utils.core.boxes.postprocess), so callers never ask which family the model is."""
@@ -138,7 +144,7 @@ class Model(nn.Module):
         the attention products thop cannot see, counted for each attention map's size at imgsz."""
         h, w = (imgsz, imgsz) if isinstance(imgsz, int) else imgsz
         p = next(self.parameters())
-        s = max(int(self.stride.max()), 32)
+        s = self.grid
         im = torch.zeros((1, self.yaml["ch"], s, s), device=p.device, dtype=p.dtype)
         model = copy.deepcopy(self)
         seen: list[tuple[nn.Module, int, int]] = []  # (module, map height, map width) on the probe image

@@ -159,7 +159,7 @@ def auto_batch_size(source: object, nc: int, hyp: Hyp, args: argparse.Namespace,
     if device.type != "cuda":
         raise UserError("--batch-size -1 (AutoBatch) needs a CUDA device; give a batch size")
     model = Model(source, nc=nc).to(device).train()
-    grid = max(int(model.stride.max()), 32)
+    grid = model.grid
     imgsz = profile_size(max((args.imgsz + grid - 1) // grid * grid, grid), grid, bool(args.multi_scale))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model.to(memory_format=memory_format)

@@ -98,7 +98,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     save_dir = make_run_dir(cfg, info, hyp, resumed=saved is not None)
     data, names = load_data(cfg, info)
     model, model_info = build_model(cfg, saved, source, len(names), data.anchors, na, device)
-    grid = max(int(model.stride.max()), 32)
+    grid = model.grid
     imgsz = round_to_stride(cfg.imgsz, grid)
     batch = dist.per_rank_batch(cfg.batch_size, info)
     train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir, device)
