@@ -27,7 +27,7 @@ from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
 from utils.engine.events import ValEvent, metric_summary
 from utils.engine.state import TrainResult
-from utils.infer.backends import load_backend
+from utils.infer.backends import EXPORT_SUFFIXES, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, VideoSinks, predict_batches, write_prediction
 from utils.infer.predict import Predictor
 from utils.infer.save import Writer
@@ -35,8 +35,6 @@ from utils.weights.checkpoint import load_model
 from yolotrain.launch import launch_training
 from yolotrain.options import ALIASES, option_flags, parse, to_argv
 from yolotrain.results import PredictEvent, Results, ValResult, as_results
-
-EXPORTED = {".onnx": "onnx", ".torchscript": "torchscript"}
 
 
 class YOLO:
@@ -190,8 +188,8 @@ def _resolve(source: str | Path) -> tuple[Path, str]:
         return path, "yaml"
     if not path.is_file():
         raise UserError(f"{path}: no such file (give a model yaml, a .pt checkpoint, or an .onnx/.torchscript export)")
-    if path.suffix in EXPORTED:
-        return path, EXPORTED[path.suffix]
+    if path.suffix in EXPORT_SUFFIXES:
+        return path, EXPORT_SUFFIXES[path.suffix]
     return path, "checkpoint"
 
 

@@ -37,7 +37,8 @@ from utils.weights.checkpoint import load_model
 META_KEY = "yolotrain"  # ONNX metadata_props key / TorchScript extra file holding ModelMeta as JSON
 META_FILE = "yolotrain.json"
 META_VERSION = 1
-EXPORT_SUFFIXES = {".onnx": "onnx", ".torchscript": "torchscript"}
+FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript"}  # export.py --include name -> file suffix (YOLOv5's)
+EXPORT_SUFFIXES = {suffix: fmt for fmt, suffix in FORMATS.items()}  # the reverse: what a file is
 EXPORT_PACKAGES = "pip install -r requirements-export.txt"
 ORT_ELEMENT_TYPES = {torch.float32: np.float32, torch.float16: np.float16}  # IOBinding's input element types
 

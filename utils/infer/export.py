@@ -36,11 +36,10 @@ from utils.data.config import load_data_config, prepare_dataset
 from utils.data.images import read_image_bgr
 from utils.data.labels import resolve_image_files
 from utils.data.sources import letterbox_image, resolve_sources
-from utils.infer.backends import (META_FILE, META_KEY, Backend, ExportedBackend, ModelMeta, OnnxBackend,
+from utils.infer.backends import (FORMATS, META_FILE, META_KEY, Backend, ExportedBackend, ModelMeta, OnnxBackend,
                                   TorchBackend, TorchScriptBackend, require, yolotrain_version)
 from utils.infer.parity import FP16, FP32, ParityReport, compare
 
-FORMATS = {"onnx": ".onnx", "torchscript": ".torchscript"}  # format -> suffix (YOLOv5's names)
 # QUIET: tracing warns about Python values it keeps as constants (the strides) and about the
 # deprecation of torch.jit and of the TorchScript-based ONNX exporter; none is the user's to act on.
 
