@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train and val image size in pixels, rounded up to the model's stride (default: "
                         f"{size_default_help('imgsz')})")
     p.add_argument("--rect", action="store_true", help="rectangular training batches")
-    add_device_flags(p)
+    add_device_flags(p, threads_note=" and at the cores other trainings on the machine leave, fixed for the run")
     add_workers_flag(p)
     p.add_argument("--optimizer", default="auto", choices=("auto", "SGD", "MuSGD", "Adam", "AdamW"),
                    help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "

@@ -127,15 +127,17 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"ERROR: {text}\n")
 
 
-def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True) -> None:
-    """--device and --threads; ``distributed``: the CLI runs under torchrun, so threads are per rank."""
+def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True,
+                     threads_note: str = "") -> None:
+    """--device and --threads; ``distributed``: the CLI runs under torchrun, so threads are per rank;
+    ``threads_note``: what else caps the default thread count."""
     auto = ("GPU 0, each rank its own GPU under torchrun; the CPU without CUDA" if distributed
             else "GPU 0; the CPU without CUDA")
     shown = f"(default: {default or auto})"
     if distributed:
         p.add_argument("--device", default=default, help=f"CUDA device(s), e.g. 0, 0,1,2,3, cuda:1, or cpu {shown}")
         p.add_argument("--threads", type=Range(int, min=0), default=0,
-                       help="CPU threads per rank (0: torch's default, capped so ranks x threads <= cores)")
+                       help=f"CPU threads per rank (0: torch's default, capped so ranks x threads <= cores{threads_note})")
     else:
         p.add_argument("--device", default=default, help=f"CUDA device, e.g. 0 or cuda:1, or cpu {shown}")
         p.add_argument("--threads", type=Range(int, min=0), default=0, help="CPU threads (0: torch's default)")
