@@ -12,7 +12,6 @@ of a CPU step depend on it, and exact resume depends on the floats. ``--threads 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -24,6 +23,11 @@ import torch
 from utils.core.cpu import usable_cpus
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock (and no /proc), so no registry: each job sizes its threads alone
+    fcntl = None
 
 
 def registry_folder() -> Path:
@@ -67,13 +71,12 @@ class Registry:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """One process at a time reads the others and writes its entry, so two jobs started together see each other."""
+        if fcntl is None:
+            raise OSError("no file locks on this platform")
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(self.folder / ".lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+            yield  # closing the file releases the lock
 
     def entry(self, pid: int) -> Path:
         return self.folder / f"{pid}-{_start_ticks(pid) or 0}"
