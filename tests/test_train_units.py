@@ -82,6 +82,25 @@ def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     assert yolov5.nominal_batch == long.nominal_batch == named.nominal_batch == 64
 
 
+def test_the_short_run_lr_grows_with_a_larger_batch_up_to_its_cap():
+    """A global batch above 16 steps once per batch: batch / 16 times fewer steps, so the AdamW LR grows as much,
+    to at most 0.004; at 16 and below it is the batch-16 recipe's. The choice is a function of the resolved
+    config alone."""
+    from utils.engine.optim import SHORT_LR_MAX, choose_optimizer
+    hyp = Hyp()
+    lr = {b: choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=b, epochs=30, anchored=False).lr
+          for b in (8, 16, 32, 64, 128, 256)}
+    assert lr[8] == lr[16] == 0.000667
+    assert (lr[32], lr[64], lr[128], lr[256]) == (0.001334, 0.002668, SHORT_LR_MAX, SHORT_LR_MAX)
+    big = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=False)
+    assert "a step every batch of 128 images, the lr x 8 (128 / 16) for the fewer steps, at most 0.004" in big.reason
+    one = choose_optimizer("auto", hyp, nc=1, n_images=800, batch_size=64, epochs=30, anchored=False, end2end=True)
+    assert one.lr == SHORT_LR_MAX  # already at the cap: the gain lifts nothing
+    assert big == choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=False)
+    sgd = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=True)
+    assert sgd.lr == hyp.lr0  # YOLOv5's SGD recipe is unchanged
+
+
 def test_accumulation_follows_the_chosen_step_size():
     from utils.engine.optim import accumulate_steps
     assert [accumulate_steps(b) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
@@ -138,3 +157,7 @@ def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
     assert warmup_iters(3.0, 63, 8) == 100  # a tenth would be 50: the floor holds
     assert warmup_iters(3.0, 2, 1) == 100  # a tiny run warms up throughout, as in YOLOv5
     assert warmup_iters(3.0, 63, None) == 189  # --time: the run's length is unknown
+    # the floor counts images: 100 batches of 16, so 25 batches of 64 and 7 of 256
+    assert warmup_iters(3.0, 13, 30, batch_size=64) == 39  # 3 epochs of 800 images, not 8 epochs
+    assert warmup_iters(3.0, 4, 30, batch_size=256) == 12 and warmup_iters(3.0, 2, 3, batch_size=256) == 7
+    assert warmup_iters(3.0, 2, 1, batch_size=8) == 100

@@ -114,7 +114,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     nb = len(train_loader)  # before any resume skip shortens the sampler
-    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, nb, None if cfg.time else cfg.epochs),
+    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, nb, None if cfg.time else cfg.epochs, cfg.batch_size),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
     lr = LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr)
     state = RunState(epochs=cfg.epochs, batches_per_epoch=nb, model=model, ema=ema, optimizer=optimizer, scaler=scaler,
