@@ -58,6 +58,13 @@ def ramp(like: torch.Tensor, n: int) -> torch.Tensor:
     return like.new_ones(n).cumsum(0) - 1
 
 
+def cell_centres(like: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The centres of an h x w grid's cells in grid units, (2, h * w) as (x + 0.5, y + 0.5), row-major: the
+    one anchor-point rule, for the loss's assigner (tal.make_anchors) and for decoding (the heads)."""
+    yv, xv = torch.meshgrid(ramp(like, h), ramp(like, w), indexing="ij")
+    return torch.stack((xv, yv)).view(2, -1) + 0.5
+
+
 class Head(nn.Module):
     """Base class of detection heads; see the module docstring for the contract."""
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from models.blocks import DFL, Conv, DWConv
-from models.heads.base import Head, decode_outside_autocast, ramp
+from models.heads.base import Head, cell_centres, decode_outside_autocast
 from models.heads.dfl_loss import DFLLoss, DFLLossGains
 from utils.core.hyp import Hyp
 
@@ -107,8 +107,7 @@ class DFLDetect(Head):
                 self._anchors.clear()
             points, strides = [], []
             for (h, w), s in zip(shapes, self.stride.tolist()):
-                yv, xv = torch.meshgrid(ramp(like, h), ramp(like, w), indexing="ij")
-                points.append(torch.stack((xv, yv)).view(2, -1) + 0.5)
+                points.append(cell_centres(like, h, w))
                 strides.append(like.new_full((1, h * w), s))
             hit = torch.cat(points, 1), torch.cat(strides, 1)
             if not tracing:

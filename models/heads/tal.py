@@ -19,6 +19,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from models.heads.base import cell_centres
 from models.heads.chunks import cat_in_chunks
 
 TAL_TOPK = 10  # positives per GT (Ultralytics' v8DetectionLoss)
@@ -32,22 +33,17 @@ CIOU_CHUNK = 1 << 24  # elements per (B, GTs, A) temporary of the assigner's CIo
 # ------------------------------------------------------------------------------------ geometry
 
 
-def make_anchors(
-    shapes: Sequence[tuple[int, int]], strides: torch.Tensor, offset: float = 0.5
-) -> tuple[torch.Tensor, torch.Tensor]:
+def make_anchors(shapes: Sequence[tuple[int, int]], strides: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchor points (A, 2) as (x, y) in each level's grid units and their strides (A, 1).
 
     ``shapes`` are the levels' (height, width); anchors run level by level, row-major within a
     level, which is the order of ``torch.cat([p.flatten(2) for p in preds], 2)``. ``strides``
     (nl,) sets the device and dtype; it stays on the device (no host copy), so pixel points are
-    ``points * strides``. ``offset`` 0.5 puts the point at the cell centre.
+    ``points * strides``. The points are the cell centres the heads decode from (base.cell_centres).
     """
     points, stride_col = [], []
     for i, (h, w) in enumerate(shapes):
-        x = torch.arange(w, device=strides.device, dtype=strides.dtype) + offset
-        y = torch.arange(h, device=strides.device, dtype=strides.dtype) + offset
-        yy, xx = torch.meshgrid(y, x, indexing="ij")
-        points.append(torch.stack((xx, yy), -1).view(-1, 2))
+        points.append(cell_centres(strides, h, w).T)
         stride_col.append(strides[i].expand(h * w, 1))
     return torch.cat(points), torch.cat(stride_col)
 
