@@ -13,7 +13,7 @@ arguments parsed by ``train.build_parser()`` (--cfg models/<model>.yaml, this sc
 --noautoanchor, --noplots, the run folder in a temporary directory that is removed afterwards).
 So the loader (mosaic etc. from the hyp file), model, optimizer, EMA, loss, AMP +
 GradScaler on CUDA and DDP under torchrun are exactly train.py's. Each step is train_one_epoch's,
-from the loop's shared pieces (utils/engine/loop.py): ``prepare_images``, forward and
+from the loop's shared pieces (utils/engine/loop.py): ``batch_images`` (utils/data/device_feed.py), forward and
 ``criterion`` under autocast, ``check_step`` (the per-step NaN all-reduce), ``backward``, and
 ``optimizer_step`` (clip, step, EMA) every ``accumulate`` batches, as after warmup (train.py's
 nominal batch of 64, unless --accumulate). Every timed epoch has mosaic on (the run's last
@@ -258,7 +258,8 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     """Warm-up steps, then the timed ones: train_one_epoch's step from the loop's own pieces, a timer
     between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
     from utils.core import dist
-    from utils.engine.loop import backward, check_step, optimizer_step, prepare_images
+    from utils.data.device_feed import batch_images
+    from utils.engine.loop import backward, check_step, optimizer_step
 
     device, info, model = t.device, t.info, t.model
     world = info.world_size
@@ -281,7 +282,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
-        imgs = prepare_images(t, batch)
+        imgs = batch_images(batch, t.device, t.memory_format)
         sync()
         t2 = time.perf_counter()
         step_now = (k + 1) % accumulate == 0

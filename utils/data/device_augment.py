@@ -98,18 +98,25 @@ def _composite_row(comp: Composite, plan: SamplePlan, ids: dict) -> np.ndarray:
 
 
 def render_batch(d: DeferredImages, device: torch.device) -> torch.Tensor:
-    """A packed batch drawn on ``device``: float32 (B, 3, H, W) RGB in
-    [0, 1], channels_last strides."""
+    """A packed batch drawn on ``device``: float32 (B, 3, H, W) RGB in [0, 1], channels_last strides.
+
+    Every decision (which canvases are perspective, which samples blend, which have HSV) is read from the
+    host's copy of the rows, so drawing never waits for the device: on CUDA it is queued on a side stream
+    (utils/data/device_feed.py) while the model trains on the previous batch."""
     tiles = d.tiles.to(device, non_blocking=True)
-    comps = d.composites.numpy()  # host rows (pinned or not): the paste's slices are Python ints
+    comps, plan = d.composites.numpy(), d.samples.numpy()  # host rows (pinned or not)
     canvas = paste(tiles, d.table.tolist(), comps, device)
     h, w = (int(v) for v in d.out_hw)
     rows = d.composites.to(device, non_blocking=True)
+    perspective = bool(comps[:, 2].any())
     per_chunk = max(1, CHUNK_PIXELS // (h * w))
-    warped = torch.cat([warp(canvas[i:i + per_chunk], rows[i:i + per_chunk], (h, w))
+    warped = torch.cat([warp(canvas[i:i + per_chunk], rows[i:i + per_chunk], (h, w), perspective)
                         for i in range(0, len(comps), per_chunk)])
     samples = d.samples.to(device, non_blocking=True)
-    rgb = colour(mix(warped, samples), samples, d.luts.to(device, non_blocking=True))
+    mixed = mix(warped, samples, plan)
+    if not plan[:, 3].any():  # no sample has HSV gains
+        return mixed.to(torch.uint8).flip(-1).float().div_(255).permute(0, 3, 1, 2)
+    rgb = colour(mixed, samples, d.luts.to(device, non_blocking=True))
     return rgb.float().div_(255).permute(0, 3, 1, 2)
 
 
@@ -131,9 +138,11 @@ def paste(tiles: torch.Tensor, table: list, comps: np.ndarray, device: torch.dev
     return canvas
 
 
-def source_points(rows: torch.Tensor, out_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def source_points(rows: torch.Tensor, out_hw: tuple[int, int],
+                  perspective: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each output pixel's canvas point (x, y), float32 (C, H, W): the inverse matrix applied to the
-    pixel (the flipped pixel for a flipped sample: a flip after the warp is a flip of where it samples)."""
+    pixel (the flipped pixel for a flipped sample: a flip after the warp is a flip of where it samples).
+    ``perspective``: some row is a perspective warp (the host knows; the device is not asked)."""
     h, w = out_hw
     dev = rows.device
     xs = torch.arange(w, device=dev, dtype=torch.float32).expand(len(rows), w)
@@ -143,8 +152,8 @@ def source_points(rows: torch.Tensor, out_hw: tuple[int, int]) -> tuple[torch.Te
     m = rows[:, MATRIX_AT:SLOTS_AT].float().view(-1, 9, 1, 1)
     u = m[:, 0] * xs + m[:, 1] * ys + m[:, 2]
     v = m[:, 3] * xs + m[:, 4] * ys + m[:, 5]
-    persp = rows[:, 2] > 0
-    if bool(persp.any()):
+    if perspective:
+        persp = rows[:, 2] > 0
         z = m[:, 6] * xs + m[:, 7] * ys + m[:, 8]
         z = torch.where(persp.view(-1, 1, 1), z, torch.ones_like(z))
         z = torch.where(z != 0, 1.0 / z, torch.zeros_like(z))
@@ -152,36 +161,43 @@ def source_points(rows: torch.Tensor, out_hw: tuple[int, int]) -> tuple[torch.Te
     return u, v
 
 
-def warp(canvas: torch.Tensor, rows: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
+def warp(canvas: torch.Tensor, rows: torch.Tensor, out_hw: tuple[int, int], perspective: bool) -> torch.Tensor:
     """Bilinear samples of each framed canvas at its output pixels' points, rounded to 8-bit levels:
     float32 (C, H, W, 3) BGR. Points outside the canvas read the grey frame: the top-left neighbour is
-    clamped into the frame's outer ring, so the other three are at +1, +width and +width+1."""
-    u, v = source_points(rows, out_hw)
+    clamped into the frame's outer ring, so the other three are at +1, +width and +width+1. The pixel
+    indices are int32 where they fit (half the memory traffic of int64; index_select takes either)."""
+    u, v = source_points(rows, out_hw, perspective)
     c, hp, wp, _ = canvas.shape
+    index = torch.int32 if c * hp * wp < 2 ** 31 else torch.int64
     x0f, y0f = torch.floor(u), torch.floor(v)
     fx, fy = (u - x0f)[..., None], (v - y0f)[..., None]
-    x0 = x0f.clamp_(-FRAME, wp - 2 * FRAME).long() + FRAME  # -2 .. canvas width, framed
-    y0 = y0f.clamp_(-FRAME, hp - 2 * FRAME).long() + FRAME
+    x0 = x0f.clamp_(-FRAME, wp - 2 * FRAME).to(index) + FRAME  # -2 .. canvas width, framed
+    y0 = y0f.clamp_(-FRAME, hp - 2 * FRAME).to(index) + FRAME
+    base = (torch.arange(c, device=canvas.device, dtype=index).view(-1, 1, 1) * (hp * wp) + y0 * wp + x0).view(-1)
     flat = canvas.view(-1, 3)
-    base = torch.arange(c, device=canvas.device).view(-1, 1, 1) * (hp * wp) + y0 * wp + x0
-    a, b = flat[base].float(), flat[base + 1].float()
-    top = a + fx * (b - a)
-    a, b = flat[base + wp].float(), flat[base + wp + 1].float()
-    bottom = a + fx * (b - a)
-    return torch.round(top + fy * (bottom - top)).clamp_(0, 255)
+
+    def at(offset: int) -> torch.Tensor:
+        return flat.index_select(0, base + offset if offset else base).view(*u.shape, 3).float()
+
+    a, b = at(0), at(1)
+    top = torch.lerp(a, b, fx)
+    a, b = at(wp), at(wp + 1)
+    return torch.round(torch.lerp(top, torch.lerp(a, b, fx), fy)).clamp_(0, 255)
 
 
-def mix(warped: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """Each sample's image: its composite, or (mixup) the truncated blend of its two, as OpenCV's path blends."""
-    first = warped[samples[:, 0].long()]
-    second = samples[:, 1].long()
+def mix(warped: torch.Tensor, samples: torch.Tensor, plan: np.ndarray) -> torch.Tensor:
+    """Each sample's image: its composite, or (mixup) the truncated blend of its two, as OpenCV's path blends.
+    ``plan``: the host's copy of ``samples``, for the decisions."""
+    first, second = plan[:, 0].astype(np.int64), plan[:, 1].astype(np.int64)
     mixed = second >= 0
-    if not bool(mixed.any()):
-        return first
-    r = samples[:, 2].view(-1, 1, 1, 1)
-    other = warped[second.clamp(min=0)]
-    blended = torch.floor(first.double() * r + other.double() * (1 - r)).float()
-    return torch.where(mixed.view(-1, 1, 1, 1), blended, first)
+    if not mixed.any():
+        return warped if np.array_equal(first, np.arange(len(warped))) else warped[samples[:, 0].long()]
+    out = warped[samples[:, 0].long()]
+    k = np.flatnonzero(mixed).tolist()
+    r = samples[k, 2].view(-1, 1, 1, 1)
+    blended = torch.floor(out[k].double() * r + warped[second[k].tolist()].double() * (1 - r)).float()
+    out[k] = blended
+    return out
 
 
 def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
@@ -192,15 +208,18 @@ def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torc
     (B, 3, 256), packed by the workers with utils.data.augment.hsv_luts."""
     bgr = img.to(torch.uint8)
     on = samples[:, 3] > 0
-    if not bool(on.any()):
-        return bgr.flip(-1)
     to_hsv, to_rgb = colour_tables(img.device)
-    idx = (bgr[..., 0].long() << 16) | (bgr[..., 1].long() << 8) | bgr[..., 2].long()
-    h, s, v = to_hsv[idx].long().unbind(-1)
+    wide = bgr.to(torch.int32)  # every index below is under 2^24: int32 for the lookups
+    idx = (wide[..., 0] << 16) | (wide[..., 1] << 8) | wide[..., 2]
+    h, s, v = to_hsv.index_select(0, idx.view(-1)).view(*idx.shape, 3).to(torch.int32).unbind(-1)
     luts = luts.reshape(-1)
-    k = torch.arange(len(img), device=img.device).view(-1, 1, 1) * 768
-    h, s, v = luts[k + h], luts[k + 256 + s], luts[k + 512 + v]
-    rgb = to_rgb[(h.long() * 256 + s.long()) * 256 + v.long()]
+    k = torch.arange(len(img), device=img.device, dtype=torch.int32).view(-1, 1, 1) * 768
+
+    def lookup(offset: int, level: torch.Tensor) -> torch.Tensor:
+        return luts.index_select(0, (k + (offset + level)).view(-1)).view(level.shape).to(torch.int32)
+
+    h, s, v = lookup(0, h), lookup(256, s), lookup(512, v)
+    rgb = to_rgb.index_select(0, ((h * 256 + s) * 256 + v).view(-1)).view(*idx.shape, 3)
     return torch.where(on.view(-1, 1, 1, 1), rgb, bgr.flip(-1))
 
 

@@ -23,7 +23,7 @@ from utils.core import dist
 from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
-from utils.data.device_augment import render_batch
+from utils.data.device_feed import OnDevice, on_device
 from utils.engine.hooks import EpochVerdict, Hooks
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
@@ -151,11 +151,12 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
     epoch, first = state.epoch, state.batch
     mloss = state.mloss if first else torch.zeros(len(t.criterion.loss_names), device=t.device)
     bar = ProgressBar(t, first, nb)
-    for i, batch in fetch_batches(bar.enumerate(t.train_loader, first), watch, epoch, first):
+    fed = on_device(t.train_loader, t.device, t.memory_format)  # CUDA: the next batch's images drawn meanwhile
+    for i, item in fetch_batches(bar.enumerate(fed, first), watch, epoch, first):
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
             state.batch = i + 1
             ni = i + nb * epoch  # integrated batch count since the start of training
-            fw = forward(t, loop, hooks, batch, i, ni)
+            fw = forward(t, loop, hooks, item, i, ni)
             finite = torch.isfinite(fw.loss_items).all()  # on the device: read at the optimizer step
             loop.window_bad = ~finite if loop.window_bad is None else loop.window_bad | ~finite
             mloss = torch.where(finite, (mloss * i + fw.loss_items) / (i + 1), mloss)
@@ -183,7 +184,7 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
                     bar.close()
                     where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
                     return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
-            bar.update(i, flags.mloss, batch, fw.imgs)
+            bar.update(i, flags.mloss, item.batch, fw.imgs)
             hooks.events.batch_end(ni, flags.mloss, stepped=True)
     return EpochEnded(dist.reduce_mean(mloss).cpu())
 
@@ -199,15 +200,14 @@ class Forward:
     steps: bool
 
 
-def forward(t: Training, loop: LoopState, hooks: Hooks, batch, i: int, ni: int) -> Forward:
-    """Images to the device, the warmup's LR and accumulation for batch ``ni``, then forward and loss under autocast.
+def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, ni: int) -> Forward:
+    """The warmup's LR and accumulation for batch ``ni``, then forward and loss under autocast.
 
     Each epoch ends on an optimizer step: a checkpoint then never holds half-accumulated gradients, so a
     resumed run continues exactly where the interrupted one would have. A batch whose gradient only
     accumulates runs under DDP's no_sync: its backward skips the all-reduce, which the stepping batch's does
     once for the accumulated sum."""
-    epoch = t.state.epoch
-    imgs = prepare_images(t, batch)
+    epoch, batch, imgs = t.state.epoch, item.batch, item.images
     if t.cfg.multi_scale:
         imgs = rescale_batch(imgs, t.imgsz, t.grid, t.cfg.seed, epoch=epoch, i=i)
     t.lr.warmup_step(ni, epoch)
@@ -240,16 +240,6 @@ def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int)
         if item is _END:
             return
         yield item
-
-
-def prepare_images(t: Training, batch) -> torch.Tensor:
-    """The batch as float 0-1 on the device, in the run's memory format: the loader's uint8 pixels, or
-    (--augment-on device) the pixels the device draws from the batch's tiles and plans."""
-    if batch.deferred is not None:
-        imgs = render_batch(batch.deferred, t.device)
-    else:
-        imgs = batch.images.to(t.device, non_blocking=True).float().div_(255)
-    return imgs.contiguous(memory_format=t.memory_format)
 
 
 def backward(t: Training, loss: torch.Tensor) -> None:
