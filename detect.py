@@ -28,6 +28,7 @@ from models.yolo import round_to_stride
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
     add_run_folder_flags, add_workers_flag
+from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, setup_logging
@@ -98,7 +99,7 @@ def input_size(requested: int | None, meta: ModelMeta) -> int:
 def main(opt: argparse.Namespace) -> RunSummary | None:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
-    dist.set_cpu_threads(info, opt.threads)
+    set_cpu_threads(info, opt.threads)
     sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
     device = dist.select_device(opt.device, opt.batch_size, info=info)
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves

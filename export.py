@@ -22,6 +22,7 @@ import sys
 from models.yolo import round_to_stride
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags
+from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
 from utils.infer.backends import TorchBackend, require
@@ -71,7 +72,7 @@ def main(opt: argparse.Namespace) -> list[ExportResult]:
     info = dist.dist_info()
     setup_logging(info.rank, info.world_size)
     formats = check_opt(opt, info)
-    dist.set_cpu_threads(info, opt.threads)
+    set_cpu_threads(info, opt.threads)
     device = dist.select_device(opt.device, info=info)
     if opt.half and device.type != "cuda":
         raise UserError("--half exports FP16 for CUDA and needs a CUDA --device (e.g. --device 0)")

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
+from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
 from utils.core.logging import LOGGER, colorstr, setup_logging
@@ -112,7 +113,7 @@ def check_opt(opt: argparse.Namespace) -> ResolvedArgs:
 def main(opt: argparse.Namespace) -> list[EvalResult]:
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size)
-    dist.set_cpu_threads(info, opt.threads)
+    set_cpu_threads(info, opt.threads)
     opt = check_opt(opt)
     device = dist.select_device(opt.device, opt.batch_size, info=info)
     opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device, half=opt.half))

@@ -490,11 +490,12 @@ def main(argv: list[str] | None = None) -> None:
         scaling(opt, argv)
         return
     from utils.core import dist
+    from utils.core.cores import set_cpu_threads
     from utils.core.logging import setup_logging
 
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size, verbose=False)
-    dist.set_cpu_threads(info, opt.threads)  # as train.py: ranks x threads <= cores unless --threads
+    set_cpu_threads(info, opt.threads)  # as train.py: ranks x threads <= cores unless --threads
     device = dist.select_device(opt.device, opt.batch_size, info)
     if device.type == "cpu":
         from utils.core.cpu import tune_malloc

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from utils.core import dist
+from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError
 from tests.conftest import ROOT, run_env
 
@@ -168,7 +169,7 @@ def test_cpu_threads_never_oversubscribe_the_node(one_thread):
     import os
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
-    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 2 * cores, 2 * cores)) == 1  # more ranks than cores
+    assert set_cpu_threads(dist.DistInfo(0, 0, 2 * cores, 2 * cores)) == 1  # more ranks than cores
     torch.set_num_threads(cores)
-    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 1, 1)) == cores
-    assert dist.set_cpu_threads(dist.DistInfo(0, 0, 1, 1), requested=3) == 3 == torch.get_num_threads()
+    assert set_cpu_threads(dist.DistInfo(0, 0, 1, 1)) == cores
+    assert set_cpu_threads(dist.DistInfo(0, 0, 1, 1), requested=3) == 3 == torch.get_num_threads()

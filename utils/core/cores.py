@@ -122,6 +122,14 @@ def choose_threads(info: DistInfo, requested: int, default: int, cores: int, oth
     return max(1, min(n, free // max(info.local_world_size, 1)))
 
 
+def set_cpu_threads(info: DistInfo, requested: int = 0) -> int:
+    """Intra-op threads of a tool without a run to register (val.py, detect.py, export.py): ``requested``,
+    else torch's count capped at this rank's share of the node (choose_threads' rule, other jobs aside)."""
+    n = choose_threads(info, requested, torch.get_num_threads(), usable_cpus(), [], explicit=True)
+    torch.set_num_threads(n)
+    return n
+
+
 @contextlib.contextmanager
 def claim_cores(info: DistInfo, requested: int = 0, registry: Registry | None = None,
                 env: Mapping[str, str] | None = None) -> Iterator[int]:

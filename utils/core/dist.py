@@ -90,15 +90,6 @@ def first_slurm_host(nodelist: str) -> str:
     return head[:bracket] + first + head[close + 1:].split(",")[0]
 
 
-def set_cpu_threads(info: DistInfo, requested: int = 0) -> int:
-    """Intra-op threads for this rank: ``requested``, else torch's current count capped so that the
-    node's ranks x threads <= its cores (several CPU ranks must not oversubscribe the machine)."""
-    cores = usable_cpus()
-    n = requested if requested > 0 else min(torch.get_num_threads(), max(1, cores // max(info.local_world_size, 1)))
-    torch.set_num_threads(n)
-    return n
-
-
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 

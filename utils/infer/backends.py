@@ -232,7 +232,7 @@ class OnnxBackend(ExportedBackend):
     def __init__(self, path: str | Path, device: torch.device) -> None:
         ort = require("onnxruntime", f"running {path}")
         options = ort.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()  # the rank's share of the cores (dist.set_cpu_threads)
+        options.intra_op_num_threads = torch.get_num_threads()  # the rank's share of the cores (utils/core/cores.set_cpu_threads)
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
         # its idle threads sleep: spinning between runs takes the cores from torch's pre- and post-processing
