@@ -25,7 +25,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from models.yolo import round_to_stride
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
     add_run_folder_flags, add_workers_flag
 from utils.core.cores import set_cpu_threads
@@ -116,9 +116,9 @@ def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.Di
     backend = load_backend(opt.weights, device, opt.end2end, opt.max_det)
     meta = backend.meta
     imgsz = input_size(opt.imgsz, meta)
-    precision = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
+    numerics = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
     mode = f", end-to-end, {meta.max_det} per image" if meta.end2end else ""
-    LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}{mode}){precision}, {meta.nc} classes, "
+    LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}{mode}){numerics}, {meta.nc} classes, "
                 f"input {imgsz}x{imgsz}; {len(sources.images)} images, {len(sources.videos)} videos")
     save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
     predictor = Predictor(backend, device, predict_options(opt, meta, device))
@@ -136,7 +136,7 @@ def predict_options(opt: argparse.Namespace, meta: ModelMeta, device: torch.devi
     return PredictOptions(conf_thres=opt.conf_thres, iou_thres=opt.iou_thres, max_det=opt.max_det,
                           classes=tuple(opt.classes) if opt.classes else None, agnostic=opt.agnostic_nms,
                           multi_label=opt.multi_label, half=opt.half,
-                          channels_last=meta.format == "pytorch" and dist.channels_last_default(None, device,
+                          channels_last=meta.format == "pytorch" and precision.channels_last_default(None, device,
                                                                                                 half=opt.half))
 
 

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
@@ -158,7 +158,8 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
         resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
         check_packages(resume.args)  # --tensorboard, --mlflow: their packages, before anything starts
         device = dist.select_device(resume.args.device, resume.args.batch_size, info)
-        dist.set_determinism(resume.args.deterministic, fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
+        precision.set_determinism(resume.args.deterministic,
+                                  fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
         if device.type == "cpu":
             tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
         with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves

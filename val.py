@@ -28,7 +28,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.cores import set_cpu_threads
@@ -116,7 +116,7 @@ def main(opt: argparse.Namespace) -> list[EvalResult]:
     set_cpu_threads(info, opt.threads)
     opt = check_opt(opt)
     device = dist.select_device(opt.device, opt.batch_size, info=info)
-    opt = opt.replace(channels_last=dist.channels_last_default(opt.channels_last, device, half=opt.half))
+    opt = opt.replace(channels_last=precision.channels_last_default(opt.channels_last, device, half=opt.half))
     loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
     with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
         with watch.phase("init process group"):  # no tune_malloc: rect batches vary in shape, the kept heap grew RSS

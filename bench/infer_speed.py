@@ -31,7 +31,7 @@ detections the image gave, each model's end-to-end time (forward time without --
 over the first --weights' (so ``--weights yolo26n.pt yolov8n.pt`` prints yolo26n/yolov8n), and
 PyTorch's forward time over this backend's. The first line names the CPU it ran on (model name
 from /proc/cpuinfo), torch's thread count and whether the CPU has native bf16
-(``dist.cpu_has_native_bf16``), since CPU latencies mean little without them. Needs onnx and
+(``precision.cpu_has_native_bf16``), since CPU latencies mean little without them. Needs onnx and
 onnxruntime (requirements-export.txt).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from models.yolo import round_to_stride  # noqa: E402  (the repository is put on the path first)
-from utils.core import dist  # noqa: E402
+from utils.core import precision  # noqa: E402
 from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 from utils.data.images import read_image_bgr  # noqa: E402
 from utils.data.sources import letterbox_image  # noqa: E402
@@ -108,7 +108,7 @@ def cpu_summary() -> str:
                 break
     except OSError:  # not Linux
         pass
-    bf16 = "yes" if dist.cpu_has_native_bf16() else "no"
+    bf16 = "yes" if precision.cpu_has_native_bf16() else "no"
     return f"CPU: {name}; {torch.get_num_threads()} torch threads; native bf16: {bf16}"
 
 
@@ -164,7 +164,7 @@ def export_onnx(reference: TorchBackend, size: int, batch: int, path: Path) -> O
 def predictor_for(backend: Backend) -> Predictor:
     """detect.py's Predictor for ``backend`` on the CPU at detect.py's defaults (fp32; NHWC for a checkpoint)."""
     cpu = torch.device("cpu")
-    channels_last = backend.meta.format == "pytorch" and dist.channels_last_default(None, cpu)
+    channels_last = backend.meta.format == "pytorch" and precision.channels_last_default(None, cpu)
     return Predictor(backend, cpu, replace(PredictOptions(), channels_last=channels_last))
 
 

@@ -257,7 +257,7 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
 def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     """Warm-up steps, then the timed ones: train_one_epoch's step from the loop's own pieces, a timer
     between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
-    from utils.core import dist
+    from utils.core import dist, precision
     from utils.data.device_feed import batch_images
     from utils.engine.loop import backward, check_step, optimizer_step
 
@@ -329,7 +329,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                   steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type,
                   layout="NHWC" if t.cfg.channels_last else "NCHW",
-                  precision={torch.bfloat16: "bf16", torch.float16: "fp16"}[dist.amp_dtype(device)] if t.amp else "fp32")
+                  precision={torch.bfloat16: "bf16", torch.float16: "fp16"}[precision.amp_dtype(device)] if t.amp else "fp32")
 
 
 def _sync_all(device: torch.device) -> None:

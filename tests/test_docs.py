@@ -214,16 +214,16 @@ def test_commit_hash_rules():
 
 
 def channels_last_expected(monkeypatch) -> dict[str, bool]:
-    """What utils/core/dist.channels_last_default picks when no flag is given (on Linux): True is NHWC."""
+    """What utils/core/precision.channels_last_default picks when no flag is given (on Linux): True is NHWC."""
     import torch
 
-    from utils.core import dist
+    from utils.core import precision
 
-    monkeypatch.setattr(dist.sys, "platform", "linux")
+    monkeypatch.setattr(precision.sys, "platform", "linux")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    return {"cpu": dist.channels_last_default(None, cpu),
-            "cuda_fp16": dist.channels_last_default(None, cuda, half=True),
-            "cuda_fp32": dist.channels_last_default(None, cuda, half=False)}
+    return {"cpu": precision.channels_last_default(None, cpu),
+            "cuda_fp16": precision.channels_last_default(None, cuda, half=True),
+            "cuda_fp32": precision.channels_last_default(None, cuda, half=False)}
 
 
 def memory_format_problems(default_cell: str, expected: dict[str, bool]) -> list[str]:
@@ -256,7 +256,7 @@ def test_memory_format_defaults_match_code(monkeypatch):
                 rows += 1
                 problems = memory_format_problems(cells[1], expected)
                 assert not problems, (f"{rel(doc)}: the --channels-last row's default '{cells[1]}' does not say what "
-                                      f"utils/core/dist.channels_last_default picks: {', '.join(problems)}")
+                                      f"utils/core/precision.channels_last_default picks: {', '.join(problems)}")
     assert rows >= 2, "the --channels-last rows of training.md and deploy.md were not found"
 
 

@@ -193,17 +193,17 @@ def test_a_resume_of_a_run_saved_before_a_flag_existed_takes_that_flags_given_va
 
 
 def test_determinism_switches_torch_and_cudnn_together(monkeypatch):
-    from utils.core import dist
+    from utils.core import precision
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     try:
-        dist.set_determinism(True, fixed_shapes=True)
+        precision.set_determinism(True, fixed_shapes=True)
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        dist.set_determinism(False, fixed_shapes=True)
+        precision.set_determinism(False, fixed_shapes=True)
         assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
-        dist.set_determinism(False, fixed_shapes=False)  # --rect / --multi-scale: every new shape would be re-timed
+        precision.set_determinism(False, fixed_shapes=False)  # --rect / --multi-scale: every new shape would be re-timed
         assert not torch.backends.cudnn.benchmark
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
@@ -211,13 +211,13 @@ def test_determinism_switches_torch_and_cudnn_together(monkeypatch):
 
 
 def test_the_memory_format_default_follows_device_and_precision(monkeypatch):
-    from utils.core import dist
+    from utils.core import precision
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert dist.channels_last_default(None, cpu) and dist.channels_last_default(None, cpu, half=True)
-    assert dist.channels_last_default(None, cuda, half=True) and not dist.channels_last_default(None, cuda)
-    assert not dist.channels_last_default(False, cuda, half=True) and dist.channels_last_default(True, cuda)
-    monkeypatch.setattr(dist.sys, "platform", "win32")
-    assert not dist.channels_last_default(None, cuda, half=True)
+    assert precision.channels_last_default(None, cpu) and precision.channels_last_default(None, cpu, half=True)
+    assert precision.channels_last_default(None, cuda, half=True) and not precision.channels_last_default(None, cuda)
+    assert not precision.channels_last_default(False, cuda, half=True) and precision.channels_last_default(True, cuda)
+    monkeypatch.setattr(precision.sys, "platform", "win32")
+    assert not precision.channels_last_default(None, cuda, half=True)
 
 
 def test_a_short_run_trains_about_half_its_epochs_in_mosaics():

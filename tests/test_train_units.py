@@ -136,15 +136,15 @@ def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
 def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):
     """--amp unset: on for CUDA, and on CPU only where bf16 is native hardware (else emulated and
     slower); a run resumed from before the flag existed keeps its fp32 CPU math."""
-    from utils.core import dist as d
+    from utils.core import precision
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for native in (True, False):
-        monkeypatch.setattr(d, "cpu_has_native_bf16", lambda native=native: native)
-        assert d.amp_default(None, cpu) is native
-        assert d.amp_default(None, cpu, legacy=True) is False
-        assert d.amp_default(None, cuda) is True and d.amp_default(None, cuda, legacy=True) is True
-        assert d.amp_default(False, cuda) is False and d.amp_default(True, cpu, legacy=True) is True
-    assert d.amp_dtype(cpu) == torch.bfloat16 and d.amp_dtype(cuda) == torch.float16
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        assert precision.amp_default(None, cpu) is native
+        assert precision.amp_default(None, cpu, legacy=True) is False
+        assert precision.amp_default(None, cuda) is True and precision.amp_default(None, cuda, legacy=True) is True
+        assert precision.amp_default(False, cuda) is False and precision.amp_default(True, cpu, legacy=True) is True
+    assert precision.amp_dtype(cpu) == torch.bfloat16 and precision.amp_dtype(cuda) == torch.float16
 
 
 def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():

@@ -18,7 +18,7 @@ from torch import nn
 
 from models.heads.base import Criterion
 from models.yolo import Model
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.cli import Range
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
@@ -112,7 +112,7 @@ def profile_step(model: nn.Module, criterion: Criterion, batch: int, imgsz: int,
     device under the run's precision: the work whose memory AutoBatch measures."""
     device = next(model.parameters()).device
     imgs = torch.rand(batch, 3, imgsz, imgsz, device=device).contiguous(memory_format=memory_format)
-    with torch.autocast(device.type, dtype=dist.amp_dtype(device), enabled=amp):
+    with torch.autocast(device.type, dtype=precision.amp_dtype(device), enabled=amp):
         loss, _ = criterion(model(imgs), synthetic_targets(batch, nc))
     loss.sum().backward()
 
@@ -170,8 +170,8 @@ def auto_batch_size(source: object, nc: int, hyp: Hyp, args: argparse.Namespace,
         fit = str(e)
     del model, measure  # the profiled model's memory goes back before training builds its own
     torch.cuda.empty_cache()
-    precision = f"autocast {str(dist.amp_dtype(device)).removeprefix('torch.')}" if amp else "fp32"
-    return agree_on_batch(fit, world_size, f"imgsz {imgsz}, {precision}")
+    numerics = f"autocast {str(precision.amp_dtype(device)).removeprefix('torch.')}" if amp else "fp32"
+    return agree_on_batch(fit, world_size, f"imgsz {imgsz}, {numerics}")
 
 
 def agree_on_batch(fit: BatchFit | str, world_size: int, note: str = "") -> int:

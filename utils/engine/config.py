@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
 from utils.core.errors import UserError
@@ -144,8 +144,8 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
     hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
-    amp = dist.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
-    channels_last = dist.channels_last_default(args.channels_last, device, half=amp)
+    amp = precision.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
+    channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
     batch = args.batch_size
     if batch == AUTO_BATCH:
         batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,

@@ -18,7 +18,7 @@ from torch import nn
 from models.heads.base import Criterion
 from models.parse import head_has_anchors, load_model_yaml
 from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
-from utils.core import dist
+from utils.core import dist, precision
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER
@@ -74,7 +74,7 @@ class Training:
 
     @property
     def amp(self) -> bool:
-        """Autocast in dist.amp_dtype(device): fp16 on CUDA, bf16 on CPU."""
+        """Autocast in precision.amp_dtype(device): fp16 on CUDA, bf16 on CPU."""
         return bool(self.cfg.amp)
 
     @property
@@ -85,7 +85,7 @@ class Training:
 
     def autocast(self) -> torch.autocast:
         """The forward and loss precision of --amp (off: fp32)."""
-        return torch.autocast(self.device.type, dtype=dist.amp_dtype(self.device), enabled=self.amp)
+        return torch.autocast(self.device.type, dtype=precision.amp_dtype(self.device), enabled=self.amp)
 
 
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from models.yolo import de_parallel
-from utils.core import dist
+from utils.core import precision
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
 from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, SIZE_DEFAULTS
@@ -29,9 +29,9 @@ def log_start_summary(t: Training) -> None:
                      f"{c['corrupt']} corrupt")
     mi = t.model_info
     layout = "NHWC (channels-last)" if opt.channels_last else "NCHW"
-    precision = f"{str(dist.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
+    numerics = f"{str(precision.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
     lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
-                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {precision}")
+                 f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {numerics}")
     family = DEFAULT_HYP if de_parallel(t.model).detect.has_anchors else DEFAULT_HYP_ANCHOR_FREE
     changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
