@@ -113,8 +113,8 @@ def add_compute_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--augment-on", choices=("auto", "workers", "device"), default="auto",
                    help="where training augmentation draws its pixels: 'workers' (the loader processes, OpenCV) or "
-                        "'device' (the training device, torch: the workers only read images, for GPU nodes with few "
-                        "cores per GPU); the same draws and labels either way (auto: workers)")
+                        "'device' (the training device, torch: the workers only read and pack images); the same draws "
+                        "and labels either way (auto: device on CUDA, workers on a CPU)")
 
 
 def add_tracking_flags(p: argparse.ArgumentParser) -> None:

@@ -233,7 +233,7 @@ def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("flag, resolved", [("auto", "workers"), ("workers", "workers"), ("device", "device")])
 def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, resolved):
-    """--augment-on is part of the frozen run config (so checkpoints record it); auto keeps the workers path."""
+    """--augment-on is part of the frozen run config (so checkpoints record it); auto on a CPU: the workers."""
     import train
     from utils.core.cli import ResolvedArgs
     from utils.engine.config import Resume, resolve_config
@@ -241,3 +241,11 @@ def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, res
     argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--augment-on", flag]
     cfg = resolve_config(Resume(ResolvedArgs(**vars(train.build_parser().parse_args(argv)))), torch.device("cpu"))
     assert cfg.augment_on == resolved
+
+
+def test_augment_on_auto_draws_on_the_gpu_of_a_cuda_run():
+    from utils.engine.config import augment_default
+
+    assert augment_default("auto", torch.device("cuda", 0)) == "device"
+    assert augment_default("auto", torch.device("cpu")) == "workers"
+    assert augment_default("workers", torch.device("cuda", 0)) == "workers"

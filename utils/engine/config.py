@@ -154,14 +154,16 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     dist.per_rank_batch(val_batch, info, "--val-batch-size")
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
                         "channels_last": channels_last, "amp": amp, "batch_size": batch,
-                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on)})
+                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on, device)})
 
 
-def augment_default(flag: str) -> str:
-    """--augment-on auto: the loader workers draw the augmented pixels. On a CPU run the device path would
-    share the workers' cores; on CUDA it is chosen by hand, its GPU cost beside the workers path being
-    unmeasured (docs/benchmarks.md)."""
-    return "workers" if flag == "auto" else flag
+def augment_default(flag: str, device: torch.device) -> str:
+    """--augment-on auto: the GPU draws the augmented pixels of a CUDA run, whose loader workers then only
+    read and pack (faster on the GPU hosts measured, docs/benchmarks.md); on a CPU run the workers draw
+    them, since the device path would share the workers' cores."""
+    if flag != "auto":
+        return flag
+    return "device" if device.type == "cuda" else "workers"
 
 
 def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
