@@ -31,7 +31,8 @@ def _layer(module: str) -> str | None:
 def _imports(path: Path) -> list[tuple[str, bool]]:
     """(module, at top level) for every import of the project's own modules in a file."""
     tree = ast.parse(path.read_text())
-    top = {id(n) for n in tree.body}
+    typing_only = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test).endswith("TYPE_CHECKING")]
+    top = {id(n) for n in tree.body} | {id(n) for block in typing_only for n in block.body}  # annotations only
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:

@@ -13,6 +13,7 @@ from models.yolo import de_parallel
 from utils.core.callbacks import Callbacks
 from utils.core.runs import ResultsCSV
 from utils.engine.preempt import StopRequest
+from utils.engine.setup import Training
 from utils.eval.evaluate import EvalResult
 
 
@@ -82,7 +83,7 @@ def metric_summary(result: EvalResult) -> dict[str, float]:
 class RunEvents:
     """The run's side of the callbacks: rank 0 tells its listeners; other ranks are silent."""
 
-    def __init__(self, t, callbacks: Callbacks | None, stop: StopRequest | None = None) -> None:
+    def __init__(self, t: Training, callbacks: Callbacks | None, stop: StopRequest | None = None) -> None:
         self.t, self.callbacks, self.stop = t, callbacks or Callbacks(), stop or StopRequest()
         self.enabled = t.info.is_main
 

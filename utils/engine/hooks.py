@@ -16,6 +16,7 @@ from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
 from utils.engine.events import RunEvents
 from utils.engine.preempt import StopRequest
+from utils.engine.setup import Training
 from utils.engine.state import make_checkpoint
 from utils.engine.track import Tracker, attach_trackers, close_trackers
 from utils.eval.evaluate import EvalResult
@@ -60,7 +61,7 @@ class Checkpointer:
         if self.events is not None:
             self.events.emit("on_model_save", path=path)
 
-    def save_epoch(self, t, is_best: bool) -> None:
+    def save_epoch(self, t: Training, is_best: bool) -> None:
         """After epoch ``t.state.epoch``: last.pt, best.pt when it is the best so far, epochN.pt when due."""
         if not self.info.is_main:
             return
@@ -72,7 +73,7 @@ class Checkpointer:
         if self.save_period > 0 and (epoch + 1) % self.save_period == 0:
             self._save(ckpt, self.dir / f"epoch{epoch + 1}.pt")
 
-    def save_mid_epoch(self, t) -> None:
+    def save_mid_epoch(self, t: Training) -> None:
         """--save-interval or a stop signal: last.pt at an optimizer step inside ``t.state.epoch``."""
         if not self.info.is_main:
             return
@@ -149,7 +150,7 @@ class Hooks:
         close_trackers(self.trackers, exc)
 
 
-def build_hooks(t, callbacks: Callbacks | None = None, stop: StopRequest | None = None) -> Hooks:
+def build_hooks(t: Training, callbacks: Callbacks | None = None, stop: StopRequest | None = None) -> Hooks:
     """``callbacks``: the caller's listeners to the run's events (the Python API's); the trackers listen first.
     ``stop``: the run's stop machinery, where a listener's ``request_stop`` goes."""
     listeners = Callbacks()
@@ -178,7 +179,7 @@ class EpochEnd:
     checkpoints, on_fit_epoch_end, then whether the run ends here: early stop, or a listener's request (decided
     on rank 0, where listeners run, and broadcast)."""
 
-    def __init__(self, t, checkpointer: Checkpointer, events: RunEvents) -> None:
+    def __init__(self, t: Training, checkpointer: Checkpointer, events: RunEvents) -> None:
         self.t, self.checkpointer, self.events = t, checkpointer, events
         names = t.criterion.loss_names
         self.csv = ResultsCSV(t.save_dir / "results.csv", loss_names=names)

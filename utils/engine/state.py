@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerCho
 from utils.engine.recover import NanRecovery
 from utils.eval.metrics import DetectionMetrics
 from utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
+
+if TYPE_CHECKING:  # setup builds the run state: a runtime import would run in a circle
+    from utils.engine.setup import Training
 
 
 class StopReason(enum.Enum):
@@ -206,7 +209,7 @@ class RunState:
         self.resumed = True
 
 
-def run_record(t) -> dict[str, Any]:
+def run_record(t: Training) -> dict[str, Any]:
     """What a checkpoint says the run is, beside its state: the model to rebuild, the arguments (with the
     run's current epoch count, and the image size it trains at: --imgsz rounded up to the stride) and
     hyperparameters to resume with, the names, and how its metrics were computed."""
@@ -216,7 +219,7 @@ def run_record(t) -> dict[str, Any]:
             "val_precision": ("fp16" if t.device.type == "cuda" else "bf16") if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
 
 
-def make_checkpoint(t) -> dict[str, Any]:
+def make_checkpoint(t: Training) -> dict[str, Any]:
     """Everything an exact continuation needs, in weights_only-safe types."""
     return {**t.state.state_dict(), **run_record(t)}
 
@@ -232,7 +235,7 @@ def hand_back(result: TrainResult, is_main: bool) -> None:
             json.dump(result.as_dict(), f)
 
 
-def train_result(t, end: Stop) -> TrainResult:
+def train_result(t: Training, end: Stop) -> TrainResult:
     """The finished run's result, on every rank (best.pt's metrics are read where the file is: rank 0's node)."""
     best, last = t.save_dir / "weights" / "best.pt", t.save_dir / "weights" / "last.pt"
     best = best if best.exists() else None

@@ -7,6 +7,7 @@ import importlib.util
 from utils.core.callbacks import Callbacks
 from utils.core.errors import Preempted, UserError
 from utils.core.logging import LOGGER
+from utils.engine.setup import Training
 from utils.engine.track.base import RunEnd, Tracker
 from utils.engine.track.mlflow import MLflowTracker
 from utils.engine.track.tensorboard import TensorBoardTracker
@@ -28,7 +29,7 @@ def _installed(package: str) -> bool:
         return False
 
 
-def attach_trackers(t, callbacks: Callbacks) -> list[Tracker]:
+def attach_trackers(t: Training, callbacks: Callbacks) -> list[Tracker]:
     """The trackers the run asked for (rank 0 only), each listening on ``callbacks``; one that cannot start warns."""
     if not t.info.is_main:
         return []

@@ -10,6 +10,7 @@ from typing import Any
 
 from utils.core.callbacks import Callbacks
 from utils.core.logging import LOGGER
+from utils.engine.setup import Training
 
 
 class RunEnd(enum.Enum):
@@ -30,7 +31,7 @@ def plain_value(v: Any) -> Any:
     return v if isinstance(v, (bool, int, float, str)) else str(v)
 
 
-def run_params(t) -> dict[str, Any]:
+def run_params(t: Training) -> dict[str, Any]:
     """The run's arguments and hyperparameters (their names do not overlap), as plain values."""
     return {k: plain_value(v) for k, v in {**t.cfg.as_dict(), **t.hyp.as_dict()}.items()}
 

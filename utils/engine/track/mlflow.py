@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.core.logging import LOGGER
+from utils.engine.setup import Training
 from utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
 from utils.engine.track.sender import Rejected, Sender
 
@@ -37,7 +38,7 @@ class MLflowTracker(Tracker):
     name = "MLflow"
     EVENTS = ("on_fit_epoch_end", "on_train_end")
 
-    def __init__(self, t) -> None:
+    def __init__(self, t: Training) -> None:
         super().__init__()
         # Sender retries on its own: MLflow's retries (minutes of backoff) would only delay the queue. Process-wide
         # (MLflow reads its environment per request); a value the user set wins.

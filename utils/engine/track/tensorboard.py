@@ -8,6 +8,7 @@ from pathlib import Path
 import cv2
 
 from utils.core.logging import LOGGER
+from utils.engine.setup import Training
 from utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
 
 TRAIN_PICTURES = ("train_batch0.jpg", "train_batch1.jpg", "train_batch2.jpg")
@@ -19,7 +20,7 @@ class TensorBoardTracker(Tracker):
     name = "TensorBoard"
     EVENTS = ("on_train_batch_end", "on_fit_epoch_end", "on_train_end")
 
-    def __init__(self, t) -> None:
+    def __init__(self, t: Training) -> None:
         super().__init__()
         from torch.utils.tensorboard import SummaryWriter  # lazily: needs the tensorboard package
 
