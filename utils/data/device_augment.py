@@ -187,17 +187,19 @@ def warp(canvas: torch.Tensor, rows: torch.Tensor, out_hw: tuple[int, int], pers
 
 def mix(warped: torch.Tensor, samples: torch.Tensor, plan: np.ndarray) -> torch.Tensor:
     """Each sample's image: its composite, or (mixup) the truncated blend of its two, as OpenCV's path blends.
-    ``plan``: the host's copy of ``samples``, for the decisions."""
+    ``plan``: the host's copy of ``samples``, for the decisions; the blended rows' indices are copied to the
+    device without waiting (a Python list as an index would make the host wait for the device)."""
     first, second = plan[:, 0].astype(np.int64), plan[:, 1].astype(np.int64)
     mixed = second >= 0
     if not mixed.any():
         return warped if np.array_equal(first, np.arange(len(warped))) else warped[samples[:, 0].long()]
-    out = warped[samples[:, 0].long()]
-    k = np.flatnonzero(mixed).tolist()
-    r = samples[k, 2].view(-1, 1, 1, 1)
-    blended = torch.floor(out[k].double() * r + warped[second[k].tolist()].double() * (1 - r)).float()
-    out[k] = blended
-    return out
+    dev = warped.device
+    rows = torch.from_numpy(np.flatnonzero(mixed)).to(dev, non_blocking=True)
+    partners = torch.from_numpy(second[mixed]).to(dev, non_blocking=True)
+    out = warped.index_select(0, samples[:, 0].long())
+    r = samples.index_select(0, rows)[:, 2].view(-1, 1, 1, 1)
+    blended = torch.floor(out.index_select(0, rows).double() * r + warped.index_select(0, partners).double() * (1 - r))
+    return out.index_copy_(0, rows, blended.float())
 
 
 def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
