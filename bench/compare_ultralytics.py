@@ -131,7 +131,7 @@ def save():
 if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
-    import train
+    from yolotrain.app import train
     from utils.engine import loop
     def setup(t):
         facts.update(optimizer=describe_optimizer(t.optimizer), params=n_params(t.model),
@@ -146,7 +146,7 @@ if mode == "ours-train":
 elif mode == "ours-val":
     sys.path.insert(0, root)
     sys.argv = ["val.py", *argv]
-    import val
+    from yolotrain.app import val
     wrap(val, "get_loader", "loader", lambda loader: facts.update(val_workers=loader.num_workers))
     r = val.main(val.parse_opt(argv))[0]
     facts.update(speed_ms={"pre-process": r.speed_ms[0], "inference": r.speed_ms[1], "NMS": r.speed_ms[2]},

@@ -93,7 +93,8 @@ def save(extra):
 if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
-    import torch, train
+    import torch
+    from yolotrain.app import train
     from utils.engine import loop
     wrap(loop, "train_one_epoch", "train")  # called by name from loop.run_epochs
     wrap(loop, "evaluate_model", "val")  # ... and from loop.validate
@@ -115,7 +116,8 @@ elif mode == "yolov5-train":
 elif mode == "ours-val":
     sys.path.insert(0, root)
     sys.argv = ["val.py", *argv]
-    import torch, val
+    import torch
+    from yolotrain.app import val
     t = time.perf_counter()
     r = val.main(val.parse_opt(argv))[0]
     stamp("val.py", t)

@@ -50,7 +50,7 @@ else:
 OUR_VAL_SHIM = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import val
+from yolotrain.app import val
 r = val.main(val.parse_opt(sys.argv[3:]))[0]
 json.dump({"map50": r.metrics.map50, "map": r.metrics.map}, open(sys.argv[2], "w"))
 '''

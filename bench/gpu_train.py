@@ -173,7 +173,7 @@ if mode == "ours":
     sys.path.insert(0, root)
     mosaic, argv = argv[0] == "mosaic", argv[1:]
     sys.argv = ["train.py", *argv]
-    import train
+    from yolotrain.app import train
     from utils.engine import loop
     inner_build, inner_fetch, inner_eval = train.build_training, loop.fetch_batches, loop.evaluate_model
     def build_training(*a, **k):
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 def variant_problem(flags: tuple[str, ...]) -> str | None:
     """Why a variant's flags cannot run: train.py refuses them, or they set what this script sets for
     both tools; None when they are fine. Checked up front: a bad flag would otherwise fail mid-run."""
-    import train
+    from yolotrain.app import train
 
     p = train.build_parser()
     p.raise_errors = True

@@ -220,7 +220,7 @@ def _batches(loader) -> Iterator[Any]:
 
 def train_opt(size: str, imgsz: int, opt: argparse.Namespace, project: str) -> argparse.Namespace:
     """train.py's own arguments for one configuration, parsed by train.py's parser (its defaults and checks)."""
-    import train
+    from yolotrain.app import train
 
     argv = ["--data", opt.data, "--cfg", str(ROOT / "models" / f"{model_name(size)}.yaml"),
             "--imgsz", str(imgsz), "--batch-size", str(opt.batch_size), "--workers", str(opt.workers),

@@ -131,7 +131,7 @@ def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) 
 def instrument(timers: Timers) -> list[str]:
     """Wrap the names val.py and the evaluation call; returns the labels that could not be wrapped."""
     import utils.eval.evaluate as evaluation
-    import val
+    from yolotrain.app import val
 
     missing = []
     create = getattr(val, "create_dataloader", None)
@@ -150,7 +150,7 @@ def instrument(timers: Timers) -> list[str]:
 
 def one_run(argv: list[str]) -> dict[str, Any]:
     """val.main once, with fresh timers; returns its figures in seconds."""
-    import val
+    from yolotrain.app import val
 
     timers = Timers()
     try:

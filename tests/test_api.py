@@ -39,7 +39,7 @@ def test_values_are_refused_with_the_cli_message():
 
 
 def test_options_become_the_flags_of_the_cli():
-    import train
+    from yolotrain.app import train
 
     argv = to_argv(train.build_parser(), {"batch": 8, "multi-scale": True, "rect": False, "amp": False,
                                           "freeze": [0, 1], "cache": True, "resume": False, "device": None,
@@ -105,8 +105,8 @@ def val_folder(tiny_data) -> Path:
 @pytest.mark.slow
 def test_val_predict_and_export_give_what_the_clis_give(tiny_v8n, tiny_data, val_folder, tmp_path, one_thread,
                                                          restore_logger):
-    import detect
-    import val
+    from yolotrain.app import detect
+    from yolotrain.app import val
 
     model = YOLO(tiny_v8n)
     scores = model.val(data=str(tiny_data), imgsz=64, batch_size=4, workers=0, noplots=True)

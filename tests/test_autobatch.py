@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import train
+from yolotrain.app import train
 from models.yolo import Model
 from tests.conftest import ROOT, run_env
 from utils.core.cli import ResolvedArgs

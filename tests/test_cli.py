@@ -28,22 +28,22 @@ def _bench_parser(name: str) -> argparse.ArgumentParser:
 
 def _parser(cli: str) -> argparse.ArgumentParser:
     if cli == "train":
-        import train
+        from yolotrain.app import train
         return train.build_parser()
     if cli == "val":
-        import val
+        from yolotrain.app import val
         return val.build_parser()
     if cli == "detect":
-        import detect
+        from yolotrain.app import detect
         return detect.build_parser()
     if cli == "export":
-        import export
+        from yolotrain.app import export
         return export.build_parser()
     if cli == "tune":
-        import tune
+        from yolotrain.app import tune
         return tune.build_parser()
     if cli == "coco":
-        from utils.eval import coco
+        from yolotrain.app import coco
         return coco.build_parser()
     return _bench_parser(cli)
 
@@ -111,8 +111,8 @@ def test_bad_value_is_one_line_and_exit_2(cli, argv, flag, value, capsys):
 
 
 def test_defaults_and_aliases_still_parse():
-    import train
-    import val
+    from yolotrain.app import train
+    from yolotrain.app import val
 
     assert train.build_parser().parse_args(["--img-size", "64", "--local_rank", "1"]).imgsz == 64
     opt = val.build_parser().parse_args(["--weights", "x.pt"])
@@ -188,3 +188,18 @@ def test_torchrun_every_rank_refuses(tmp_path):
     ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
     assert not any(frame in out for frame in ours)
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- python -m yolotrain <tool>
+def test_the_module_entry_point_runs_each_tool_under_its_own_name(capsys, monkeypatch):
+    from yolotrain import __main__ as entry
+    from yolotrain.app import coco, convert, detect, export, train, tune, val, weights
+
+    assert {name: fn for name, (fn, _) in entry.TOOLS.items()} == {
+        "train": train.cli, "val": val.cli, "detect": detect.cli, "export": export.cli, "tune": tune.cli,
+        "convert": convert.cli, "weights": weights.cli, "coco": coco.cli}
+    monkeypatch.setattr(sys, "argv", ["x"])
+    assert entry.main(["val", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m yolotrain val ")
+    assert entry.main([]) == 2 and "tools:" in capsys.readouterr().out
+    assert entry.main(["trian"]) == 2 and "unknown tool 'trian'" in capsys.readouterr().err

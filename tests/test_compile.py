@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import train
+from yolotrain.app import train
 from models.yolo import Model, de_parallel
 from tests.conftest import ROOT, run_env
 from utils.core.cli import ResolvedArgs

@@ -272,7 +272,7 @@ def test_yolov5_anchors_come_from_the_trained_buffer(crafted):
 @pytest.mark.slow
 def test_cli_writes_a_weights_only_checkpoint(crafted, tmp_path):
     out = tmp_path / "converted.pt"
-    p = subprocess.run([PYTHON, "-m", "utils.weights.convert", str(crafted["files"]["yolov8n"]), str(out)],
+    p = subprocess.run([PYTHON, "-m", "yolotrain", "weights", str(crafted["files"]["yolov8n"]), str(out)],
                        cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "converted to a yolotrain checkpoint" in p.stdout and f"Saved {out}" in p.stdout
@@ -284,7 +284,7 @@ def test_cli_writes_a_weights_only_checkpoint(crafted, tmp_path):
 
 @pytest.mark.slow
 def test_cli_errors_are_one_line(crafted, tmp_path):
-    p = subprocess.run([PYTHON, "-m", "utils.weights.convert", str(crafted["files"]["system"]), str(tmp_path / "o.pt")],
+    p = subprocess.run([PYTHON, "-m", "yolotrain", "weights", str(crafted["files"]["system"]), str(tmp_path / "o.pt")],
                        cwd=ROOT, env=run_env(), capture_output=True, text=True)
     out = p.stdout + p.stderr
     assert p.returncode == 1 and "Traceback" not in out and out.count("ERROR:") == 1 and "refused" in out

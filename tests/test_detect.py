@@ -119,7 +119,7 @@ def test_two_ranks_write_the_same_files_once(one_rank, tiny_v5n, source_dir):
 
 
 def _detect(argv: list[str]) -> dict:
-    import detect
+    from yolotrain.app import detect
 
     summary = detect.main(detect.parse_opt(argv))
     return json.loads((Path(summary.save_dir) / "summary.json").read_text())
@@ -146,7 +146,7 @@ def test_glob_and_txt_list_give_the_folder_run_labels(one_rank, tiny_v5n, source
 @pytest.mark.slow
 def test_boxes_equal_val_py_at_its_settings(tiny_v5n, tiny_data, val_images, tmp_path, one_thread, restore_logger):
     """detect.py --multi-label and val.py --no-rect at the same thresholds write the same label files."""
-    import val
+    from yolotrain.app import val
 
     thresholds = ["--conf-thres", "0.25", "--iou-thres", "0.45", "--max-det", "300", "--batch-size", "4",
                   "--workers", "0", "--save-txt", "--save-conf", "--project", str(tmp_path)]
@@ -159,7 +159,7 @@ def test_boxes_equal_val_py_at_its_settings(tiny_v5n, tiny_data, val_images, tmp
 
 
 def _one_error(capsys, argv: list[str]) -> str:
-    import detect
+    from yolotrain.app import detect
 
     assert detect.cli(argv) == 1
     out = capsys.readouterr()
@@ -264,7 +264,7 @@ def test_drawn_box_has_the_class_colour_and_a_label():
 
 
 def test_cli_numbers_are_range_checked():
-    import detect
+    from yolotrain.app import detect
     from utils.core.cli import check_defaults, check_numeric_flags
 
     parser = detect.build_parser()

@@ -234,7 +234,7 @@ def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
 @pytest.mark.parametrize("flag, resolved", [("auto", "workers"), ("workers", "workers"), ("device", "device")])
 def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, resolved):
     """--augment-on is part of the frozen run config (so checkpoints record it); auto on a CPU: the workers."""
-    import train
+    from yolotrain.app import train
     from utils.core.cli import ResolvedArgs
     from utils.engine.config import Resume, resolve_config
 

@@ -114,11 +114,11 @@ def relative_links(text: str) -> list[str]:
 
 
 def cli_parsers() -> dict[str, argparse.ArgumentParser]:
-    import detect
-    import export
-    import train
-    import tune
-    import val
+    from yolotrain.app import detect
+    from yolotrain.app import export
+    from yolotrain.app import train
+    from yolotrain.app import tune
+    from yolotrain.app import val
 
     return {"train.py": train.build_parser(), "val.py": val.build_parser(),
             "detect.py": detect.build_parser(), "export.py": export.build_parser(), "tune.py": tune.build_parser()}
@@ -162,15 +162,15 @@ def test_every_flag_documented(cli: str):
 
 
 def test_every_convert_flag_documented():
-    """python -m yolotrain.convert: each subcommand's flags (argparse keeps them in its subparsers)."""
-    from yolotrain import convert
+    """python -m yolotrain convert: each subcommand's flags (argparse keeps them in its subparsers)."""
+    from yolotrain.app import convert
 
     docs_text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md")))
     subs = [a for a in convert.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     flags = sorted({f for sub in subs for parser in sub.choices.values() for f in long_options(parser)})
     assert {"--images", "--keep-difficult", "--names", "--exist-ok"} <= set(flags)
     missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", docs_text)]
-    assert not missing, f"yolotrain/convert.py: flags not documented in any docs/*.md: {', '.join(missing)}"
+    assert not missing, f"yolotrain/app/convert.py: flags not documented in any docs/*.md: {', '.join(missing)}"
 
 
 def test_readme_is_short():

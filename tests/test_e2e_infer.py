@@ -162,7 +162,7 @@ def test_torchscript_export_outputs_dets_and_says_end2end(toy_model, tmp_path, r
 
 
 def test_detect_refuses_a_flag_contradicting_an_export(toy_model, tmp_path, restore_logger):
-    import detect
+    from yolotrain.app import detect
 
     reference = _backend(toy_model, tmp_path / "toy.pt")
     img = np.full((IMGSZ, IMGSZ, 3), 80, np.uint8)

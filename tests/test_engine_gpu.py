@@ -166,7 +166,7 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     import dataclasses
     import contextlib
 
-    import train
+    from yolotrain.app import train
     from utils.core import dist
     from utils.core.cli import ResolvedArgs
     from utils.core.dist import DistInfo

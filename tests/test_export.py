@@ -23,7 +23,7 @@ def onnx_packages():
 
 def _export(argv: list[str]) -> list:
     """export.main in this process, leaving the project logger as it found it (module fixtures run it)."""
-    import export
+    from yolotrain.app import export
     from utils.core.logging import LOGGER
 
     saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
@@ -74,7 +74,7 @@ def test_both_formats_pass_parity_and_carry_metadata(family, request):
 
 def _scores(weights: Path, data: Path, extra: list[str]) -> tuple[tuple[float, ...], list]:
     """val.py's P, R, mAP50, mAP50-95 and confusion matrix (conf 0.25, IoU 0.45) for a checkpoint or export."""
-    import val
+    from yolotrain.app import val
 
     result = val.main(val.parse_opt(["--weights", str(weights), "--data", str(data), "--batch-size", "4",
                                      "--workers", "0", "--noplots", *extra]))[0]
@@ -109,7 +109,7 @@ def _labels(folder: Path) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_detect_on_exports_finds_the_checkpoints_boxes(v5n_fixed, v8n_dynamic, tiny_v5n, tiny_v8n, tiny_data,
                                                        tmp_path, restore_logger):
-    import detect
+    from yolotrain.app import detect
     from utils.data.config import load_data_config
 
     source = load_data_config(tiny_data).val[0]
@@ -130,7 +130,7 @@ def test_detect_on_exports_finds_the_checkpoints_boxes(v5n_fixed, v8n_dynamic, t
 @pytest.mark.slow
 def test_a_mismatching_export_is_refused_and_not_kept(tiny_v5n, tmp_path, capsys, monkeypatch, onnx_packages,
                                                       restore_logger):
-    import export
+    from yolotrain.app import export
     from utils.infer.export import DecodedOnly
 
     weights = tmp_path / "best.pt"
@@ -152,7 +152,7 @@ def test_a_mismatching_export_is_refused_and_not_kept(tiny_v5n, tmp_path, capsys
 
 
 def test_export_refuses_what_cannot_work(tmp_path, capsys, monkeypatch, restore_logger):
-    import export
+    from yolotrain.app import export
     from utils.core.cli import check_defaults, check_numeric_flags
 
     parser = export.build_parser()

@@ -7,7 +7,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 ORDER = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine",
-         "utils.infer")  # each may import those before it; infer skips engine (test below)
+         "utils.infer", "yolotrain.app", "yolotrain")  # each may import those before it; infer skips engine
 ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
            "utils.weights": {"utils.core", "models", "utils.weights"},
            "utils.data": {"utils.core", "models", "utils.weights", "utils.data", "data"},
@@ -17,12 +17,14 @@ ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
            "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
                            "utils.infer"},
            "data": {"utils.core", "data"}}
-CLIS = ("train", "val", "detect", "export", "tune")
-ENTRY_POINTS = sorted((ROOT / "yolotrain").glob("*.py"))  # python -m yolotrain.X: thin CLIs like the four
+ALLOWED["yolotrain.app"] = {*ORDER[:-1], "data"}  # the tools: the whole library, never the API above them
+ALLOWED["yolotrain"] = {*ORDER, "data"}  # the Python API and python -m yolotrain
+CLIS = ("train", "val", "detect", "export", "tune")  # the root scripts: each only calls its tool's cli()
+APPS = sorted((ROOT / "yolotrain").rglob("*.py"))
 
 
 def _layer(module: str) -> str | None:
-    for name in (*ORDER, "data"):
+    for name in sorted((*ORDER, "data"), key=len, reverse=True):  # yolotrain.app before yolotrain
         if module == name or module.startswith(name + "."):
             return name
     return "cli" if module in CLIS else None
@@ -46,13 +48,18 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _library_files() -> list[Path]:
-    return sorted(p for d in ("utils", "models", "data") for p in (ROOT / d).rglob("*.py"))
+    return sorted(p for d in ("utils", "models", "data", "yolotrain") for p in (ROOT / d).rglob("*.py"))
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def test_imports_point_down_the_layers():
     wrong = []
     for path in _library_files():
-        me = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        me = _layer(_module(path))
         wrong += [f"{path.relative_to(ROOT)} imports {m}" for m, _ in _imports(path) if _layer(m) not in ALLOWED[me]]
     assert wrong == []
 
@@ -63,7 +70,7 @@ def test_the_leaf_layer_imports_nothing_of_the_project_but_itself():
 
 
 def test_project_imports_sit_at_the_top_of_each_file():
-    lazy = [f"{p.relative_to(ROOT)}: {m}" for p in _library_files() + [ROOT / f"{c}.py" for c in CLIS] + ENTRY_POINTS
+    lazy = [f"{p.relative_to(ROOT)}: {m}" for p in _library_files() + [ROOT / f"{c}.py" for c in CLIS]
             for m, top in _imports(p) if not top]
     assert lazy == []
 
@@ -77,7 +84,7 @@ def test_inference_loads_weights_without_the_training_engine():
 def test_checkpoint_keys_are_read_in_the_checkpoint_module_only():
     """Inference reads a checkpoint's card, not its dict: one place knows the keys."""
     readers = [p.relative_to(ROOT).as_posix() for p in [*(ROOT / "utils" / "infer").glob("*.py"),
-                                                       *(ROOT / f"{c}.py" for c in ("val", "detect", "export"))]
+                                                       *(ROOT / "yolotrain" / "app" / f"{c}.py" for c in ("val", "detect", "export"))]
                if "ckpt[" in p.read_text() or "ckpt.get(" in p.read_text()]
     assert readers == []
 
@@ -89,7 +96,7 @@ def test_no_library_module_reads_rank_from_the_environment():
 
 def test_functions_and_modules_stay_small():
     """No function over 60 lines and no module over 400 in the CLIs, models/ and utils/: each is read in one view."""
-    files = [ROOT / f"{c}.py" for c in CLIS] + ENTRY_POINTS + sorted((ROOT / "models").rglob("*.py")) + sorted(
+    files = [ROOT / f"{c}.py" for c in CLIS] + APPS + sorted((ROOT / "models").rglob("*.py")) + sorted(
         (ROOT / "utils").rglob("*.py"))
     big = []
     for path in files:
@@ -100,3 +107,17 @@ def test_functions_and_modules_stay_small():
                 for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and n.end_lineno - n.lineno + 1 > 60]
     assert big == []
+
+
+def test_the_root_scripts_only_run_their_tool():
+    """train.py and the others are a few lines that call yolotrain/app/<tool>.cli; the tool lives in the library."""
+    for c in CLIS:
+        text = (ROOT / f"{c}.py").read_text()
+        assert len(text.splitlines()) <= 15 and [m for m, _ in _imports(ROOT / f"{c}.py")] == [f"yolotrain.app.{c}"]
+
+
+def test_nothing_imports_a_root_script():
+    """The API, tune, the tests and the benches import the tools from yolotrain.app, never a script."""
+    files = [p for d in ("utils", "models", "data", "yolotrain", "tests", "bench") for p in (ROOT / d).rglob("*.py")]
+    wrong = [f"{p.relative_to(ROOT)} imports {m}" for p in files for m, _ in _imports(p) if m in CLIS]
+    assert files and wrong == []

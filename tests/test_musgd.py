@@ -219,7 +219,7 @@ def test_a_toy_regression_converges():
 
 
 def test_musgd_is_chosen_by_name_and_kept_for_resume():
-    import train
+    from yolotrain.app import train
     hyp = Hyp(lr0=0.01, momentum=0.937, warmup_bias_lr=0.1)
     choice = choose_optimizer("MuSGD", hyp, nc=80, n_images=800, batch_size=16, epochs=30, anchored=False)
     assert (choice.name, choice.lr, choice.momentum, choice.warmup_bias_lr, choice.nominal_batch) == \

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import train
+from yolotrain.app import train
 from utils.core.cli import ResolvedArgs
 from utils.data.loader import TrainSampler
 from utils.engine.budget import TimeBudget
@@ -162,7 +162,7 @@ def test_a_resume_keeps_the_saved_run_folder_and_hyp(tmp_path):
 
 
 def test_val_py_resolves_its_arguments_without_changing_the_parsed_ones():
-    import val
+    from yolotrain.app import val
     opt = val.parse_opt(["--weights", "a.pt", "--task", "speed", "--save-json"])
     resolved = val.check_opt(opt)
     assert (resolved.conf_thres, resolved.save_json, resolved.noplots) == (0.25, False, True)

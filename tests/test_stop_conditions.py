@@ -243,7 +243,7 @@ def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path):
 def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
     """The requeued command repeats --epochs, which only planned a --time run's first epoch: the resume
     neither refuses it (fewer than the epochs done) nor trains to it."""
-    import train
+    from yolotrain.app import train
     saved = vars(train.build_parser().parse_args(["--time", "1", "--epochs", "2"]))
     saved.update(epochs=40, resume=False)  # the count --time had refitted when the run was saved
     torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
@@ -256,7 +256,7 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
 def test_a_listener_s_request_ends_the_run_after_that_epoch(tiny_data, tmp_path, one_thread, restore_logger):
     """TrainEvent.request_stop (tune.py's pruner asks through it): the run ends after the epoch it was asked in,
     its checkpoint written, as a normal end."""
-    import train
+    from yolotrain.app import train
     from utils.core.callbacks import Callbacks
 
     callbacks = Callbacks()

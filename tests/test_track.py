@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from yolotrain.app import train
 from tests.conftest import ROOT, run_env
 from utils.core.callbacks import Callbacks
 from utils.core.dist import DistInfo

@@ -123,7 +123,7 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
 
 
 def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
-    import train
+    from yolotrain.app import train
     from utils.core.errors import UserError
 
     path = tmp_path / "yolov5s.pt"

@@ -19,10 +19,10 @@ import torch
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
-from utils.engine.tune.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
-from utils.engine.tune.resume import replay
-from utils.engine.tune.study import retried_from
-from utils.engine.tune.worker import Reporter
+from yolotrain.app.search.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
+from yolotrain.app.search.resume import replay
+from yolotrain.app.search.study import retried_from
+from yolotrain.app.search.worker import Reporter
 from utils.weights.checkpoint import load_checkpoint
 
 optuna = pytest.importorskip("optuna")
@@ -62,7 +62,7 @@ def finished(ts: list) -> list:
 
 @pytest.mark.slow
 def test_one_worker_three_trials_and_results(data, tmp_path, one_thread):
-    import tune
+    from yolotrain.app import tune
 
     assert tune.cli(argv(data, tmp_path, "one", 3)) == 0
     ts = trials(tmp_path, "one")
@@ -255,7 +255,7 @@ def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
 def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     """An earlier search's trial (added through Optuna's API) scored 0.9 at every epoch; a 2-epoch tiny trial
     scores far less at its first epoch, so the median pruner stops it there."""
-    import tune
+    from yolotrain.app import tune
 
     storage, args = hopeless_study(data, tmp_path)
     code = tune.cli(args)
@@ -353,7 +353,7 @@ def test_missing_optuna_is_one_line(data, tmp_path):
 
 
 def test_flags_tune_sets_itself_are_refused(data, tmp_path):
-    import tune
+    from yolotrain.app import tune
 
     with pytest.raises(UserError, match="--name is set by tune.py"):
         tune.main(*tune.parse_opt(["--data", str(data), "--project", str(tmp_path), "--name", "x"]))
@@ -377,7 +377,7 @@ def test_python_api_tune(data, tmp_path, one_thread):
 
 @pytest.mark.slow
 def test_train_evolve_writes_yolov5_files(data, tmp_path, one_thread):
-    import train
+    from yolotrain.app import train
 
     assert train.cli(["--data", str(data), *TRAIN, "--project", str(tmp_path), "--name", "ev", "--evolve", "2"]) == 0
     folder = tmp_path / "ev"

@@ -1,5 +1,5 @@
 """val.py: the same results for any world size, COCO json that pycocotools scores identically,
---save-txt files, --task speed, run folders, and the utils.eval.coco ground-truth export command."""
+--save-txt files, --task speed, run folders, and the ground-truth export command (python -m yolotrain coco)."""
 from __future__ import annotations
 
 import contextlib
@@ -176,7 +176,7 @@ def test_save_txt_rows_are_the_json_boxes_normalised_to_the_original_image(val_r
 
 def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path):
     out = tmp_path / "gt.json"
-    stdout = _ok(_run(["-m", "utils.eval.coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
+    stdout = _ok(_run(["-m", "yolotrain", "coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
     gt = json.loads(out.read_text())
     label_rows = sum(len(f.read_text().split("\n")) - 1 for f in (tiny_data.parent / "shapes" / "labels" / "val").glob("*.txt"))
     assert (len(gt["images"]), len(gt["annotations"]), len(gt["categories"])) == (8, label_rows, len(NAMES))
@@ -191,7 +191,7 @@ def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path)
 def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
     data = tmp_path / "bad.yaml"
     data.write_text("train: [images/train\nval: images/val\nnames: [a]\n")
-    p = _run(["-m", "utils.eval.coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
+    p = _run(["-m", "yolotrain", "coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
     out = (p.stdout + p.stderr).strip()
     assert p.returncode == 1 and "Traceback" not in out
     assert out.splitlines() == [out] and out.startswith(f"ERROR: {data}: not valid yaml"), out
@@ -200,7 +200,7 @@ def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "no_split"])
 def test_coco_export_bad_input_names_the_file(case, tiny_data, tmp_path, capsys, restore_logger):
-    from utils.eval import coco
+    from yolotrain.app import coco
 
     data, task, expect = tmp_path / "nowhere.yaml", "val", f"ERROR: {tmp_path / 'nowhere.yaml'}: file not found"
     if case == "no_split":
@@ -222,7 +222,7 @@ def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_d
 
 
 def test_run_folder_rules(tmp_path):
-    import val
+    from yolotrain.app import val
     from utils.core.dist import DistInfo
     from utils.core.errors import UserError
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-import detect as detect_cli
-import export as export_cli
-import train as train_cli
-import tune as tune_cli
-import val as val_cli
+from yolotrain.app import detect as detect_cli
+from yolotrain.app import export as export_cli
+from yolotrain.app import train as train_cli
+from yolotrain.app import tune as tune_cli
+from yolotrain.app import val as val_cli
 from models.parse import MODELS_DIR, load_model_yaml
 from models.yolo import Model
 from utils.core import dist
@@ -25,7 +25,6 @@ from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError, did_you_mean
 from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
-from utils.engine.events import ValEvent, metric_summary
 from utils.engine.state import TrainResult
 from utils.infer.backends import EXPORT_SUFFIXES, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, VideoSinks, predict_batches, write_prediction
@@ -109,10 +108,7 @@ class YOLO:
         self._need("weights", "val")
         parser = val_cli.build_parser()
         opt = parse(parser, to_argv(parser, {"weights": str(self.path), **options}, "val.py"))
-        result = val_cli.main(opt)[0]
-        if self.callbacks.wants("on_val_end"):
-            self.callbacks.run("on_val_end", ValEvent("on_val_end", metric_summary(result), result))
-        return ValResult.from_eval(result)
+        return ValResult.from_eval(val_cli.main(opt, self.callbacks)[0])
 
     def predict(self, source: str | Path | list, stream: bool | None = None,
                 **options: Any) -> list[Results] | Iterator[Results]:

@@ -7,7 +7,7 @@ usage: crash_rank1.py TRAIN_ARGS...
 import os
 import sys
 
-import train
+from yolotrain.app import train
 from utils.engine import loop
 
 real_epoch = loop.train_one_epoch

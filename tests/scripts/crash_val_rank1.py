@@ -6,7 +6,7 @@ usage: crash_val_rank1.py VAL_ARGS...
 import os
 import sys
 
-import val
+from yolotrain.app import val
 
 real_evaluate = val.evaluate_model
 

@@ -7,7 +7,7 @@ usage: die_after_save.py --die-at 2:3 TRAIN_ARGS...
 import os
 import sys
 
-import train
+from yolotrain.app import train
 from utils.engine import hooks
 
 die_epoch, die_batch = (int(v) for v in sys.argv[2].split(":"))

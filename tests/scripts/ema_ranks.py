@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-import train
+from yolotrain.app import train
 from utils.core import dist
 from utils.engine import loop
 from utils.engine.optim import ModelEMA

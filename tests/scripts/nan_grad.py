@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-import train
+from yolotrain.app import train
 from utils.engine import loop
 
 calls = {int(c) for c in sys.argv[1].split(",")}

@@ -8,7 +8,7 @@ import os
 import sys
 
 import data.shapes
-import train
+from yolotrain.app import train
 import utils.data.labelcache
 import utils.engine.hooks
 

@@ -8,7 +8,7 @@ usage: stall_rank1.py TRAIN_ARGS...
 import sys
 import time
 
-import train
+from yolotrain.app import train
 from utils.engine import loop
 
 LATE_S = 1.0  # rank 0's lag: its watchdog fires this much after rank 1's, within rank 1's grace

@@ -10,7 +10,7 @@ import time
 
 import torch.utils.data
 
-import train
+from yolotrain.app import train
 from utils.data.dataset import LoadImagesAndLabels
 
 real_getitems = LoadImagesAndLabels.__getitems__

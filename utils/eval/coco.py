@@ -15,24 +15,22 @@ ground truth written here, and gets val.py's mAP: both files use the same ids.
   precision the model computed and no noise digits (scores keep their exact order); ground
   truth in float64 rounded to 1e-10 px, so a converted dataset gives its source boxes back.
 
-    python -m utils.eval.coco --data data/shapes.yaml --task val --out gt.json
+``python -m yolotrain coco --data data/shapes.yaml --task val --out gt.json`` writes a split's ground truth
+(yolotrain/app/coco.py).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from utils.core.cli import ArgumentParser
-from utils.core.errors import UserError, run_entry_point
+from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER, setup_logging
+from utils.core.logging import LOGGER
 from utils.data.config import DataConfig, load_data_config, load_image_ids, prepare_dataset
 from utils.data.dataset import LoadImagesAndLabels
 
@@ -203,34 +201,3 @@ def cocoeval_map(gt_file: str | Path, dets: list[dict[str, Any]], max_det: int =
         return float(np.mean(x[x > -1])) if (x > -1).any() else 0.0
 
     return mean(prec), mean(prec[0])  # IoU thresholds 0.50:0.95, then 0.50 alone
-
-
-def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The export CLI (no numeric flags today; utils/cli gives it the one-line errors of the others)."""
-    p = ArgumentParser(prog="python -m utils.eval.coco", description="Export a YOLO-format split's ground truth "
-                       "as COCO json (ids match val.py --save-json)")
-    p.add_argument("--data", required=True, help="dataset yaml")
-    p.add_argument("--task", default="val", choices=("train", "val", "test"), help="which split")
-    p.add_argument("--out", required=True, help="output json file")
-    p.add_argument("--single-cls", action="store_true", help="one class 'item', as val.py --single-cls")
-    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
-    return p
-
-
-def main(opt: argparse.Namespace) -> None:
-    setup_logging()
-    gt = export_split(opt.data, opt.task, opt.out, opt.single_cls, opt.cache_dir)
-    LOGGER.info(f"{opt.out}: {len(gt['images'])} images, {len(gt['annotations'])} annotations, "
-                f"{len(gt['categories'])} categories")
-
-
-def cli(argv: list[str] | None = None) -> int:
-    return run_entry_point(lambda: main(parse_opt(argv)))
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

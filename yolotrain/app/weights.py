@@ -1,4 +1,4 @@
-"""``python -m utils.weights.convert yolov5s.pt [yolov5s-yolotrain.pt]``: convert a YOLOv5 or
+"""``python -m yolotrain weights yolov5s.pt [yolov5s-yolotrain.pt]``: convert a YOLOv5 or
 Ultralytics checkpoint once and save it as a yolotrain checkpoint (weights_only-loadable).
 
 train.py, val.py and detect.py also take the original file as ``--weights`` and convert it in
@@ -19,13 +19,18 @@ from utils.weights.convert.sniff import sniff
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog="python -m utils.weights.convert",
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """SOURCE and an optional OUTPUT; nothing else to choose."""
+    p = ArgumentParser(prog="python -m yolotrain weights",
                        description="Convert a YOLOv5 or Ultralytics checkpoint to a yolotrain checkpoint "
                                    "(read without running anything in it; weights_only-loadable when saved).")
     p.add_argument("source", help="a YOLOv5 (v6.0+, 7.x package or checkout) or Ultralytics 8.x detection .pt file")
     p.add_argument("output", nargs="?", default=None,
                    help="where to write the yolotrain checkpoint (default: SOURCE's folder, <stem>-yolotrain.pt)")
-    return p.parse_args(argv)
+    return p
 
 
 def default_output(source: Path) -> Path:

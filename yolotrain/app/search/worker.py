@@ -30,9 +30,9 @@ from utils.core.errors import Preempted, UserError
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
-from utils.engine.tune.resume import continue_run, replay
-from utils.engine.tune.space import Bounds, suggest
-from utils.engine.tune.study import RETRY_OF, StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
+from yolotrain.app.search.resume import continue_run, replay
+from yolotrain.app.search.space import Bounds, suggest
+from yolotrain.app.search.study import RETRY_OF, StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
     retried_from, surplus, tally
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing

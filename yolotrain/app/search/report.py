@@ -12,7 +12,7 @@ import yaml
 from utils.core.fileio import atomic_write
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
-from utils.engine.tune.study import retried_from
+from yolotrain.app.search.study import retried_from
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     import optuna

@@ -1,4 +1,4 @@
-"""Hyperparameter search on Optuna (tune.py, docs/tuning.md): the storage is the only coordination between
+"""Hyperparameter search on Optuna (tune.py and train.py --evolve, docs/tuning.md): the storage is the only coordination between
 workers; each trial is an ordinary training run (on every rank of a torchrun worker, whose rank 0 alone talks
 to the storage); a killed worker's trial is retried, never lost or doubled.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,10 @@ from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.watchdog import Watchdog
 from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model, size_defaults
-from utils.engine.tune.report import write_results
-from utils.engine.tune.space import default_space, load_space
-from utils.engine.tune.study import StudySettings
-from utils.engine.tune.worker import Job, run_worker
+from yolotrain.app.search.report import write_results
+from yolotrain.app.search.space import default_space, load_space
+from yolotrain.app.search.study import StudySettings
+from yolotrain.app.search.worker import Job, run_worker
 
 try:
     import optuna
@@ -37,11 +38,30 @@ def require_optuna() -> None:
         raise UserError("tune.py needs the 'optuna' package: pip install -r requirements-tune.txt")
 
 
-def tune(opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..., Any],
+@dataclass(frozen=True)
+class SearchOptions:
+    """One worker's study: tune.py's flags, or what train.py --evolve fixes (a genetic sampler, no pruning)."""
+
+    trials: int
+    study: str
+    storage: str | None
+    space: str | None
+    pruner: str
+    pruner_startup: int
+    pruner_warmup: int
+    heartbeat: int
+    retries: int
+    project: str
+    sampler: str = "tpe"
+
+
+def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., Any],
          train_parser: Callable[[], argparse.ArgumentParser], callbacks: Callbacks | None = None,
          report: Callable[[Any, Path, Path], list[Path]] = write_results) -> Path:
     """Run this worker's share of the study, then write the results (``report(study, folder, base hyp)``);
-    returns the study's folder. ``callbacks`` (the Python API's) hear every trial's events."""
+    returns the study's folder. ``callbacks`` (the Python API's) hear every trial's events. The trials train
+    through ``train_main``/``train_parser``, given by the tool that asked: train.py's --evolve imports this
+    package, so it cannot import train.py's app back."""
     require_optuna()
     info = dist.dist_info()
     setup_logging(info.rank, info.world_size)
@@ -85,11 +105,11 @@ def worker_group(info: dist.DistInfo, train_opt: argparse.Namespace) -> Iterator
         dist.cleanup_distributed()
 
 
-def _settings(opt: argparse.Namespace, folder: Path, epochs: int) -> StudySettings:
+def _settings(opt: SearchOptions, folder: Path, epochs: int) -> StudySettings:
     storage = opt.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
     return StudySettings(storage=storage, name=opt.study, trials=opt.trials, pruner=opt.pruner,
                          startup=opt.pruner_startup, warmup=opt.pruner_warmup, epochs=epochs,
-                         heartbeat=opt.heartbeat, retries=opt.retries, sampler=getattr(opt, "sampler", "tpe"))
+                         heartbeat=opt.heartbeat, retries=opt.retries, sampler=opt.sampler)
 
 
 def _without_hyp(argv: list[str]) -> list[str]:

@@ -13,8 +13,8 @@ import yaml
 
 from utils.core.fileio import ROOT, atomic_write
 from utils.core.hyp import load_hyp
-from utils.engine.tune import tune
-from utils.engine.tune.report import write_results
+from yolotrain.app.search import SearchOptions, tune
+from yolotrain.app.search.report import write_results
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     from optuna.trial import TrialState
@@ -31,9 +31,8 @@ def evolve(train_opt: argparse.Namespace, train_argv: list[str], train_main: Cal
     project is runs/evolve unless --project names another."""
     given = train_opt.project != train_parser().get_default("project")
     project = train_opt.project if given else str(EVOLVE_PROJECT)
-    opt = argparse.Namespace(trials=train_opt.evolve, study=train_opt.name, storage=None, space=None, pruner="none",
-                             pruner_startup=0, pruner_warmup=0, heartbeat=60, retries=3, project=project,
-                             sampler="genetic")
+    opt = SearchOptions(trials=train_opt.evolve, study=train_opt.name, storage=None, space=None, pruner="none",
+                        pruner_startup=0, pruner_warmup=0, heartbeat=60, retries=3, project=project, sampler="genetic")
     return tune(opt, without_run_flags(train_argv), train_main, train_parser, report=write_evolve)
 
 
