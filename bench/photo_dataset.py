@@ -3,6 +3,7 @@
 
     python bench/photo_dataset.py --out /work/photo800                          # 800 train + 200 val, 320 px
     python bench/photo_dataset.py --out /work/photo200 --n-train 200 --n-val 50 --imgsz 320 --seed 0
+    python bench/photo_dataset.py --out /work/photob800 --object-set 2             # other objects, same recipe
 
 Why: the built-in shapes set is learnable in minutes, which makes it a good smoke test and a poor
 judge of accuracy; side-by-side runs against another trainer need real-photo content. No annotated
@@ -93,7 +94,7 @@ class ClassSpec:
     exclude: tuple[str, ...] = ()  # file stems that are drawings or not of the class
 
 
-CLASSES: tuple[ClassSpec, ...] = (
+SET1: tuple[ClassSpec, ...] = (  # animals, food, plants, tools, vehicles, instruments
     ClassSpec("bird", ("animals/birds",)),
     ClassSpec("fish", ("animals/fish",), exclude=("lobster", "shrimp")),
     ClassSpec("bug", ("animals/insects",), exclude=("bee",)),  # bee.png is a drawing; slug, woodlouse stay
@@ -110,6 +111,23 @@ CLASSES: tuple[ClassSpec, ...] = (
     ClassSpec("instrument", ("hobbies/music/brass", "hobbies/music/percussion", "hobbies/music/string",
                              "hobbies/music/wind")),
 )
+# Disjoint folders of the same package, so a second set shares no object photo with the first.
+SET2: tuple[ClassSpec, ...] = (
+    ClassSpec("mammal", ("animals/mammals", "animals/marsupials", "animals/mammals/apes"),
+              exclude=("echidna", "hedgehog")),  # two drawings
+    ClassSpec("hoofed", ("animals/mammals/equines", "animals/mammals/deer")),
+    ClassSpec("carnivore", ("animals/mammals/cats", "animals/mammals/dogs")),
+    ClassSpec("sea_mammal", ("animals/mammals/aquatic",)),
+    ClassSpec("coin", ("symbols/money/euro/coins", "symbols/money/us/coins", "symbols/money/canadian/coins",
+                       "symbols/money/japanese")),
+    ClassSpec("planet", ("space/planets", "space/moon"), exclude=("0_sun",)),
+    ClassSpec("ball", ("sports",), exclude=("rugby_goal_posts", "tennis_racket", "trophy_cup")),
+    ClassSpec("nut_or_mushroom", ("food/nuts", "plants/mushrooms")),
+    ClassSpec("household", ("household", "household/dishes")),
+    ClassSpec("plant", ("plants/trees", "plants"), exclude=("holly_leaves", "rambutan")),  # a drawing, a fruit
+    ClassSpec("small_tool", ("household/arttools", "medical"), exclude=("tooth",)),  # a drawing
+)
+OBJECT_SETS: dict[str, tuple[ClassSpec, ...]] = {"1": SET1, "2": SET2}
 
 _PLASMA = "usr/share/wallpapers/{}/contents/images/{}.jpg"
 # Real photos only, and none that shows one of the classes (sheep.jpg, the flower and insect
@@ -155,6 +173,7 @@ class Pools:
 class Sources:
     """Everything the build reads, split into train and val pools, and the package versions."""
 
+    classes: tuple[ClassSpec, ...]
     train: Pools
     val: Pools
     versions: dict[str, str]
@@ -284,12 +303,12 @@ def _train_keys(keys: list[str], rng: np.random.Generator, what: str) -> set[str
     return set(order[n_val:])
 
 
-def load_cutouts(stamps: Path) -> tuple[list[list[Cutout]], list[list[Cutout]]]:
+def load_cutouts(stamps: Path, classes: tuple[ClassSpec, ...]) -> tuple[list[list[Cutout]], list[list[Cutout]]]:
     """Every class's photos, split by group into (train, val) lists indexed by class."""
     rng = np.random.default_rng(SPLIT_SEED)
     train: list[list[Cutout]] = []
     val: list[list[Cutout]] = []
-    for cls, spec in enumerate(CLASSES):
+    for cls, spec in enumerate(classes):
         files = sorted(p for folder in spec.folders for p in (stamps / folder).glob("*.png")
                        if p.stem not in spec.exclude)
         if not files:
@@ -310,13 +329,13 @@ def _load_background(path: Path) -> np.ndarray:
     return cv2.resize(img, None, fx=scale, fy=scale, interpolation=cv2.INTER_AREA) if scale < 1 else img
 
 
-def load_sources(cache: Path) -> Sources:
+def load_sources(cache: Path, classes: tuple[ClassSpec, ...]) -> Sources:
     """Fetch (or reuse) the packages and load the train and val pools."""
     versions: dict[str, str] = {}
-    folders = frozenset(f"{STAMPS}/{folder}" for spec in CLASSES for folder in spec.folders)
+    folders = frozenset(f"{STAMPS}/{folder}" for spec in classes for folder in spec.folders)
     stamps_root, versions["tuxpaint-stamps-default"] = fetch_package("tuxpaint-stamps-default", cache,
                                                                      Selection(folders=folders))
-    train_cuts, val_cuts = load_cutouts(stamps_root / STAMPS)
+    train_cuts, val_cuts = load_cutouts(stamps_root / STAMPS, classes)
     bg_files: dict[str, Path] = {}
     for package in sorted({pkg for pkg, _ in BACKGROUNDS}):
         wanted = {member for pkg, member in BACKGROUNDS if pkg == package}
@@ -328,7 +347,7 @@ def load_sources(cache: Path) -> Sources:
     def pools(cutouts: list[list[Cutout]], chosen: list[str]) -> Pools:
         return Pools(cutouts, [_load_background(bg_files[n]) for n in chosen], chosen)
 
-    return Sources(train=pools(train_cuts, [n for n in names if n in train_bg]),
+    return Sources(classes=classes, train=pools(train_cuts, [n for n in names if n in train_bg]),
                    val=pools(val_cuts, [n for n in names if n not in train_bg]), versions=versions)
 
 
@@ -423,7 +442,7 @@ def render_image(rng: np.random.Generator, pools: Pools, imgsz: int) -> tuple[np
     visible0: list[int] = []  # each object's visible pixel count when it was placed
     labels: list[list[float]] = []
     for _ in range(n):
-        cls = int(rng.integers(0, len(CLASSES)))
+        cls = int(rng.integers(0, len(pools.cutouts)))
         cut = pools.cutouts[cls][int(rng.integers(0, len(pools.cutouts[cls])))]
         for _attempt in range(10):
             obj = _warp(rng, cut, w, h)
@@ -463,6 +482,7 @@ class BuildConfig:
     imgsz: int
     seed: int
     cache: Path
+    object_set: str = "1"
 
 
 def _write_split(folder: Path, split: str, split_id: int, n: int, pools: Pools, cfg: BuildConfig) -> None:
@@ -481,19 +501,19 @@ def _write_split(folder: Path, split: str, split_id: int, n: int, pools: Pools, 
 
 def _manifest(cfg: BuildConfig, sources: Sources) -> dict:
     def instances(pools: Pools) -> dict[str, list[str]]:
-        return {spec.name: [c.source for c in cuts] for spec, cuts in zip(CLASSES, pools.cutouts)}
+        return {spec.name: [c.source for c in cuts] for spec, cuts in zip(sources.classes, pools.cutouts)}
 
     return {"generator": "bench/photo_dataset.py", "version": GENERATOR_VERSION, "seed": cfg.seed,
             "n_train": cfg.n_train, "n_val": cfg.n_val, "imgsz": cfg.imgsz, "split_seed": SPLIT_SEED,
-            "names": [c.name for c in CLASSES],
+            "object_set": cfg.object_set, "names": [c.name for c in sources.classes],
             "packages": {p: {"version": v, "licence": PACKAGES[p]} for p, v in sorted(sources.versions.items())},
             "train": {"instances": instances(sources.train), "backgrounds": sources.train.background_names},
             "val": {"instances": instances(sources.val), "backgrounds": sources.val.background_names}}
 
 
-def _data_yaml(out: Path) -> str:
+def _data_yaml(out: Path, classes: tuple[ClassSpec, ...]) -> str:
     body = {"path": str(out), "train": "images/train", "val": "images/val",
-            "names": {i: c.name for i, c in enumerate(CLASSES)}}
+            "names": {i: c.name for i, c in enumerate(classes)}}
     head = ("# Real-photo detection set made by bench/photo_dataset.py (photo_dataset.json says from what).\n"
             "# path: is absolute so train.py and Ultralytics both find it; rebuild after moving the folder.\n")
     return head + yaml.safe_dump(body, sort_keys=False)
@@ -505,14 +525,14 @@ def build(cfg: BuildConfig) -> Sources:
     out = cfg.out
     if out.exists() and not (out / MANIFEST).is_file() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and was not made by bench/photo_dataset.py; remove it or choose another --out")
-    sources = load_sources(cfg.cache)
+    sources = load_sources(cfg.cache, OBJECT_SETS[cfg.object_set])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write_split(tmp, "train", 0, cfg.n_train, sources.train, cfg)
         _write_split(tmp, "val", 1, cfg.n_val, sources.val, cfg)
-        (tmp / "data.yaml").write_text(_data_yaml(out))
+        (tmp / "data.yaml").write_text(_data_yaml(out, sources.classes))
         (tmp / MANIFEST).write_text(json.dumps(_manifest(cfg, sources), indent=1) + "\n")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -538,7 +558,7 @@ def _read_split(out: Path, split: str) -> tuple[list[np.ndarray], list[tuple[int
     return labels, sizes
 
 
-def split_report(out: Path, split: str) -> list[str]:
+def split_report(out: Path, split: str, classes: tuple[ClassSpec, ...]) -> list[str]:
     """Boxes per image, per-class counts and box sizes in pixels (COCO small/medium/large areas)."""
     labels, sizes = _read_split(out, split)
     counts = np.array([len(lb) for lb in labels])
@@ -546,12 +566,12 @@ def split_report(out: Path, split: str) -> list[str]:
     wh = np.concatenate([lb[:, 3:5] * np.array(sz) for lb, sz in zip(labels, sizes)]) if labels else np.zeros((0, 2))
     side = np.sqrt(wh.prod(1))
     area = wh.prod(1)
-    per_class = np.bincount(boxes[:, 0].astype(int), minlength=len(CLASSES))
+    per_class = np.bincount(boxes[:, 0].astype(int), minlength=len(classes))
     q = np.percentile(side, [5, 25, 50, 75, 95]).round(1) if len(side) else []
     return [
         f"{split}: {len(labels)} images, {len(boxes)} boxes; boxes/image mean {counts.mean():.2f}, "
         f"median {np.median(counts):.0f}, min {counts.min()}, max {counts.max()}, empty images {(counts == 0).sum()}",
-        f"  per class: " + ", ".join(f"{c.name} {n}" for c, n in zip(CLASSES, per_class)),
+        f"  per class: " + ", ".join(f"{c.name} {n}" for c, n in zip(classes, per_class)),
         f"  box side sqrt(w*h) px: p5/p25/p50/p75/p95 = {' / '.join(str(v) for v in q)}; "
         f"min {side.min():.1f}, max {side.max():.1f}",
         f"  box area: small (<32^2) {(area < 32**2).mean():.0%}, medium {((area >= 32**2) & (area < 96**2)).mean():.0%}, "
@@ -572,7 +592,7 @@ def _border_share(labels: list[np.ndarray]) -> float:
 def source_report(sources: Sources) -> list[str]:
     lines = ["photos per class (train / val instances, disjoint):"]
     lines += [f"  {spec.name:<10} {len(t):>3} / {len(v)}"
-              for spec, t, v in zip(CLASSES, sources.train.cutouts, sources.val.cutouts)]
+              for spec, t, v in zip(sources.classes, sources.train.cutouts, sources.val.cutouts)]
     lines.append(f"background photos: {len(sources.train.backgrounds)} train / {len(sources.val.backgrounds)} val")
     lines.append("packages: " + ", ".join(f"{p} {v} ({PACKAGES[p]})" for p, v in sorted(sources.versions.items())))
     return lines
@@ -591,20 +611,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=Range(int, min=0), default=0, help="composition seed (the val photos are fixed)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "photo_dataset_cache",
                     help="where fetched packages are kept")
+    ap.add_argument("--object-set", choices=sorted(OBJECT_SETS), default="1",
+                    help="which objects: 1 = animals, food, plants, tools, vehicles, instruments; 2 = other "
+                         "folders of the same package (mammals, coins, planets, balls, household things, ...), "
+                         "sharing no photo with set 1, for a second accuracy check")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     cfg = BuildConfig(args.out.expanduser().resolve(), args.n_train, args.n_val, args.imgsz, args.seed,
-                      args.cache.expanduser().resolve())
+                      args.cache.expanduser().resolve(), args.object_set)
     t0 = time.perf_counter()
     sources = build(cfg)
     seconds = time.perf_counter() - t0
     print(f"wrote {cfg.out} in {seconds:.1f} s ({cfg.n_train} train + {cfg.n_val} val images, imgsz {cfg.imgsz}, "
           f"seed {cfg.seed})")
-    print("classes: " + ", ".join(f"{i}:{c.name}" for i, c in enumerate(CLASSES)))
-    for line in source_report(sources) + split_report(cfg.out, "train") + split_report(cfg.out, "val"):
+    print(f"object set {cfg.object_set}, classes: " + ", ".join(f"{i}:{c.name}" for i, c in enumerate(sources.classes)))
+    reports = [split_report(cfg.out, split, sources.classes) for split in ("train", "val")]
+    for line in source_report(sources) + reports[0] + reports[1]:
         print(line)
     print(f"data yaml: {cfg.out / 'data.yaml'}")
 
