@@ -615,9 +615,12 @@ def test_photo_dataset_reads_its_cache_before_fetching(tmp_path):
 @pytest.mark.skipif(_photo_cache() is None, reason="no filled package cache (YOLOTRAIN_PHOTO_CACHE or "
                                                    "/tmp/photo_dataset_cache with all four .debs); building needs one "
                                                    "or the network")
-def test_photo_dataset_builds_from_its_cache_byte_identically(tmp_path):
+@pytest.mark.parametrize("object_set, head, tail", [("1", "0:bird, 1:fish", "10:instrument"),
+                                                     ("2", "0:mammal, 1:hoofed", "10:small_tool")])
+def test_photo_dataset_builds_from_its_cache_byte_identically(object_set, head, tail, tmp_path):
     out = tmp_path / "photo"
-    args = ["--out", out, "--n-train", 2, "--n-val", 2, "--imgsz", 64, "--seed", 3, "--cache", _photo_cache()]
+    args = ["--out", out, "--n-train", 2, "--n-val", 2, "--imgsz", 64, "--seed", 3, "--cache", _photo_cache(),
+            "--object-set", object_set]
 
     def files() -> dict[str, str]:
         return {str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest()
@@ -627,7 +630,7 @@ def test_photo_dataset_builds_from_its_cache_byte_identically(tmp_path):
     first = files()
     text = p.stdout
     assert _line(text, rf"wrote {re.escape(str(out))} in {NUM} s \(2 train \+ 2 val images, imgsz 64, seed 3\)$")
-    assert "classes: 0:bird, 1:fish" in text and "10:instrument" in text
+    assert f"object set {object_set}, classes: {head}" in text and tail in text
     per_class = re.findall(r"^  (\w+)\s+(\d+) / (\d+)$", text, re.M)  # photos per class: train / val instances
     assert len(per_class) == 11 and all(int(t) > 0 and int(v) > 0 for _, t, v in per_class)
     assert _line(text, r"background photos: [1-9]\d* train / [1-9]\d* val$")
