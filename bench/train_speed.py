@@ -501,8 +501,7 @@ def main(argv: list[str] | None = None) -> None:
         from utils.core.cpu import tune_malloc
 
         tune_malloc()  # as train.py
-    dist.init_distributed(info, device)
-    try:
+    with dist.process_group(info, device):
         results = []
         layouts = (False, True) if opt.both_layouts else (opt.channels_last,)
         precisions = (False, True) if opt.both_precisions else (opt.amp,)
@@ -528,8 +527,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(speedups(results, "precision", "fp32", "--amp speed-up over fp32, same run:"))
             if opt.json:
                 Path(opt.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
-    finally:
-        dist.cleanup_distributed()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 usage: zero_first.py OUT_DIR MODE   (MODE: ok | fail)
 """
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ from utils.core.logging import setup_logging
 out, mode = Path(sys.argv[1]), sys.argv[2]
 info = dist.dist_info()
 setup_logging(info.rank, info.world_size)
-dist.init_distributed(info, torch.device("cpu"))
+group = contextlib.ExitStack()
+group.enter_context(dist.process_group(info, torch.device("cpu")))
 try:
     with dist.torch_distributed_zero_first(info.local_rank):
         if info.local_rank == 0:
@@ -32,4 +34,4 @@ except UserError as e:
     print(f"ERROR rank {info.rank}: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
 finally:
-    dist.cleanup_distributed()
+    group.close()

@@ -25,9 +25,7 @@ from utils.core import watchdog
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 
-_CPU_GROUP = None  # gloo group for object collectives and long waits (set by init_distributed)
-_OWN_GROUP = False  # init_distributed created the default group (a script of the user's may have made it)
-_HOLDS = 0  # init_distributed calls not yet matched by cleanup_distributed: an outer one holds the groups
+_CPU_GROUP = None  # gloo group for object collectives and long waits, while a process_group() holds it
 LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets
 
 
@@ -179,31 +177,36 @@ def _cuda_index(device: str, ids: list[int] | None, info: DistInfo, n: int) -> i
     return choices[local % len(choices)]  # local < len(choices) unless the devices are masked per rank
 
 
-def init_distributed(info: DistInfo, device: torch.device, min_timeout_s: float = 0.0) -> None:
-    """Join the process group (nccl for CUDA, gloo for CPU) and create the CPU gloo group.
+@contextmanager
+def process_group(info: DistInfo, device: torch.device, min_timeout_s: float = 0.0) -> Iterator[None]:
+    """Inside: the process group (nccl for CUDA, gloo for CPU) and the CPU gloo group; leaving destroys what
+    this call made.
 
-    ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise),
-    so a rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up.
-    Calls nest: inside an outer call (tune.py's worker, whose trials each run train.main) the groups are
-    the outer call's, and its cleanup_distributed leaves them."""
-    global _CPU_GROUP, _OWN_GROUP, _HOLDS
-    if not info.distributed:
+    ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise), so a
+    rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up. Inside an outer
+    call (tune.py's worker, whose trials each train) the groups are the outer call's and stay. A default group
+    made by the caller's own script (the Python API under torchrun) is trained on; only the CPU group is ours."""
+    global _CPU_GROUP
+    if not info.distributed or _CPU_GROUP is not None:
+        yield
         return
-    if _HOLDS:
-        _HOLDS += 1
-        return
-    if is_dist():  # a script launched by torchrun joined the group itself (the Python API): train on it
-        _CPU_GROUP, _HOLDS = _CPU_GROUP or dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), 1
-        return
-    backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-    timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=min_timeout_s))
-    store = _restart_store(info, timeout)
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=info.rank,
-                                world_size=info.world_size)
-    _CPU_GROUP, _OWN_GROUP, _HOLDS = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT), True, 1
+    made_default = not is_dist()
+    if made_default:
+        backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+        timeout = max(datetime.timedelta(minutes=30), datetime.timedelta(seconds=min_timeout_s))
+        store = _restart_store(info, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=info.rank,
+                                    world_size=info.world_size)
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+    try:
+        yield
+    finally:
+        if is_dist():
+            dist.destroy_process_group(None if made_default else _CPU_GROUP)
+        _CPU_GROUP = None
 
 
 def _restart_store(info: DistInfo, timeout: datetime.timedelta):
@@ -220,18 +223,6 @@ def _restart_store(info: DistInfo, timeout: datetime.timedelta):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
                           is_master=not agent_hosts and info.rank == 0, timeout=timeout)
     return dist.PrefixStore(f"yolotrain/attempt_{attempt}", store)
-
-
-def cleanup_distributed() -> None:
-    """Leave the process group init_distributed created (safe to call when none exists); a group the
-    caller made stays, less the CPU group made for it; a nested call's cleanup leaves both to the outer one."""
-    global _CPU_GROUP, _OWN_GROUP, _HOLDS
-    _HOLDS = max(_HOLDS - 1, 0)
-    if _HOLDS:
-        return
-    if is_dist():
-        dist.destroy_process_group(None if _OWN_GROUP else _CPU_GROUP)
-    _CPU_GROUP, _OWN_GROUP = None, False
 
 
 @contextmanager

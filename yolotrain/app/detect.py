@@ -28,12 +28,11 @@ from models.yolo import round_to_stride
 from utils.core import dist, precision
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
     add_run_folder_flags, add_workers_flag
-from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER, setup_logging
+from utils.core.logging import LOGGER
+from utils.core.prologue import RunPrologue
 from utils.core.runs import pick_run_dir
-from utils.core.watchdog import Watchdog
 from utils.data.sources import resolve_sources
 from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
@@ -97,18 +96,10 @@ def input_size(requested: int | None, meta: ModelMeta) -> int:
 
 
 def main(opt: argparse.Namespace) -> RunSummary | None:
-    info = dist.dist_info(opt.local_rank)
-    setup_logging(info.rank, info.world_size)
-    set_cpu_threads(info, opt.threads)
-    sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
-    device = dist.select_device(opt.device, opt.batch_size, info=info)
-    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
-        with watch.phase("init process group"):
-            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
-        try:
-            return detect(opt, sources, device, info)
-        finally:
-            dist.cleanup_distributed()
+    with RunPrologue(opt.local_rank, opt.threads) as run:  # rank, logging, threads; device, watchdog, group
+        sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
+        device = run.start(opt.device, opt.batch_size, opt.hang_timeout)
+        return detect(opt, sources, device, run.info)
 
 
 def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:

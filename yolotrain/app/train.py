@@ -23,11 +23,10 @@ from utils.core import dist, precision
 from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
-from utils.core.cores import claim_cores
 from utils.core.cpu import tune_malloc
 from utils.core.errors import Preempted, UserError, run_entry_point
 from utils.core.fileio import ROOT
-from utils.core.logging import setup_logging
+from utils.core.prologue import RunPrologue
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
 from utils.engine.autobatch import BATCH_SIZE
@@ -150,27 +149,18 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
     """Train as ``opt`` says; ``callbacks`` hear the run's events on rank 0 (the Python API's add_callback)."""
     if getattr(opt, "evolve", None):
         raise UserError("--evolve runs from the command line (python train.py --evolve N); from Python, YOLO.tune")
-    info = dist.dist_info(opt.local_rank)
-    setup_logging(info.rank, info.world_size)
-    # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py); this run's CPU threads,
-    # fixed for the run, counted for a training started beside it (utils/core/cores.py)
-    with StopRequest() as stop, claim_cores(info, opt.threads):
+    # SIGTERM / SIGUSR1 from here on: save mid-epoch and leave (utils/engine/preempt.py); rank, logging and
+    # this run's CPU threads, then the device, watchdog and process group (utils/core/prologue.py)
+    with StopRequest() as stop, RunPrologue(opt.local_rank, opt.threads, claim=True) as run:
         resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
         check_packages(resume.args)  # --tensorboard, --mlflow: their packages, before anything starts
-        device = dist.select_device(resume.args.device, resume.args.batch_size, info)
+        device = run.start(resume.args.device, resume.args.batch_size, resume.args.hang_timeout)
         precision.set_determinism(resume.args.deterministic,
                                   fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
         if device.type == "cpu":
             tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
-        with Watchdog(info.rank, resume.args.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
-            with watch.phase("init process group"):
-                # collectives outlast the watchdog and its grace: a rank waiting on a stalled one reports, then exits 124
-                dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
-            try:
-                cfg = resolve_config(resume, device, info)  # frozen from here: precision, layout, hyp file, run folder
-                return train(cfg, info, device, resume.saved, stop, watch, callbacks)
-            finally:
-                dist.cleanup_distributed()
+        cfg = resolve_config(resume, device, run.info)  # frozen from here: precision, layout, hyp file, run folder
+        return train(cfg, run.info, device, resume.saved, stop, run.watch, callbacks)
 
 
 def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: SavedRun | None, stop: StopRequest,

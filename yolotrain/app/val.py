@@ -32,12 +32,11 @@ from utils.core import dist, precision
 from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
-from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError, run_entry_point
 from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER, colorstr, setup_logging
+from utils.core.logging import LOGGER, colorstr
+from utils.core.prologue import RunPrologue
 from utils.core.runs import pick_run_dir
-from utils.core.watchdog import Watchdog
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
@@ -115,29 +114,29 @@ def check_opt(opt: argparse.Namespace) -> ResolvedArgs:
 def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> list[EvalResult]:
     """Score each --weights in turn; ``callbacks`` hear on_val_end after each, on rank 0 (the Python API's
     add_callback)."""
-    info = dist.dist_info(opt.local_rank)
-    setup_logging(info.rank, info.world_size)
-    set_cpu_threads(info, opt.threads)
-    opt = check_opt(opt)
-    device = dist.select_device(opt.device, opt.batch_size, info=info)
-    opt = opt.replace(channels_last=precision.channels_last_default(opt.channels_last, device, half=opt.half))
-    loaders: dict[tuple, DataLoader] = {}  # checkpoints scored on the same split and size share one loader
-    with Watchdog(info.rank, opt.hang_timeout * 60, peers=info.distributed) as watch:  # hangs name themselves
-        with watch.phase("init process group"):  # no tune_malloc: rect batches vary in shape, the kept heap grew RSS
-            dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
-        finished = False
-        try:
-            results = []
-            for w in opt.weights:
-                results.append(validate_checkpoint(opt, w, info, device, loaders))
-                if callbacks is not None and info.is_main and callbacks.wants("on_val_end"):
-                    callbacks.run("on_val_end", ValEvent("on_val_end", metric_summary(results[-1]), results[-1]))
-            finished = True
-            return results
-        finally:  # a failed rank does not wait for its peers (they are in a collective it will never join)
-            for loader in loaders.values():
-                release_ram_caches(info.local_rank, loader.dataset.imgcache, wait=finished)
-            dist.cleanup_distributed()
+    with RunPrologue(opt.local_rank, opt.threads) as run:  # rank, logging, threads; device, watchdog, group
+        opt = check_opt(opt)
+        device = run.start(opt.device, opt.batch_size, opt.hang_timeout)  # no tune_malloc: rect shapes vary
+        opt = opt.replace(channels_last=precision.channels_last_default(opt.channels_last, device, half=opt.half))
+        return validate_all(opt, run.info, device, callbacks)
+
+
+def validate_all(opt: ResolvedArgs, info: dist.DistInfo, device: torch.device,
+                 callbacks: Callbacks | None) -> list[EvalResult]:
+    """Each checkpoint in turn, on loaders shared by those scored on the same split and size."""
+    loaders: dict[tuple, DataLoader] = {}
+    finished = False
+    try:
+        results = []
+        for w in opt.weights:
+            results.append(validate_checkpoint(opt, w, info, device, loaders))
+            if callbacks is not None and info.is_main and callbacks.wants("on_val_end"):
+                callbacks.run("on_val_end", ValEvent("on_val_end", metric_summary(results[-1]), results[-1]))
+        finished = True
+        return results
+    finally:  # a failed rank does not wait for its peers (they are in a collective it will never join)
+        for loader in loaders.values():
+            release_ram_caches(info.local_rank, loader.dataset.imgcache, wait=finished)
 
 
 def validate_checkpoint(opt: argparse.Namespace, weights: str, info: dist.DistInfo, device: torch.device,
