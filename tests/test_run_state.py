@@ -15,7 +15,8 @@ from yolotrain.app import train
 from utils.core.cli import ResolvedArgs
 from utils.data.loader import TrainSampler
 from utils.engine.budget import TimeBudget
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, Resume, RunConfig, resolve_config
+from utils.engine.config import Resume, RunConfig, resolve_config
+from utils.engine.recipe import RECIPES
 from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, Warmup, smart_optimizer
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState
@@ -141,7 +142,7 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
                                                 "--cfg", "models/yolov5n.yaml"]))
     cfg = resolve_config(Resume(ResolvedArgs(**args)), torch.device("cpu"))
     assert isinstance(cfg, RunConfig) and isinstance(cfg, ResolvedArgs)
-    assert cfg.hyp == str(DEFAULT_HYP) and cfg.save_dir == str(tmp_path / "run") and cfg.channels_last is True
+    assert cfg.hyp == str(RECIPES["anchor-based"].hyp) and cfg.save_dir == str(tmp_path / "run") and cfg.channels_last is True
     with pytest.raises(FrozenInstanceError, match="cannot set epochs"):
         cfg.epochs = 3
     with pytest.raises(FrozenInstanceError):
@@ -150,7 +151,7 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
     assert (longer.epochs, cfg.epochs) == (30, 8) and longer.as_dict().keys() == cfg.as_dict().keys()
     (tmp_path / "run").mkdir()  # taken: a fresh run gets the next folder, an anchor-free model its own hyp file
     free = resolve_config(Resume(ResolvedArgs(**{**args, "cfg": "models/yolov8n.yaml"})), torch.device("cpu"))
-    assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(DEFAULT_HYP_ANCHOR_FREE)
+    assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(RECIPES["anchor-free"].hyp)
 
 
 def test_a_resume_keeps_the_saved_run_folder_and_hyp(tmp_path):

@@ -52,30 +52,46 @@ def test_resumed_lr_schedule_matches_the_uninterrupted_one():
         assert resumed == straight[s:], f"resume at epoch {s}"
 
 
+@pytest.mark.parametrize("model, family, hyp, space", [
+    ("yolov5n.yaml", "anchor-based", "hyp.scratch-low.yaml", "tune-space.yaml"),
+    ("yolov5nu.yaml", "anchor-free", "hyp.v8.yaml", "tune-space.v8.yaml"),
+    ("yolov8n.yaml", "anchor-free", "hyp.v8.yaml", "tune-space.v8.yaml"),
+    ("yolo11n.yaml", "anchor-free", "hyp.v8.yaml", "tune-space.v8.yaml"),
+    ("yolo26n.yaml", "end-to-end", "hyp.v8.yaml", "tune-space.v8.yaml"),
+    ("yolov10n.yaml", "end-to-end", "hyp.v8.yaml", "tune-space.v8.yaml"),
+])
+def test_each_model_yaml_gets_its_family_recipe(model, family, hyp, space):
+    from models.parse import load_model_yaml
+    from models.registry import head_class
+    from utils.engine.recipe import recipe_for
+
+    recipe = recipe_for(model)
+    assert recipe.family == family == head_class(load_model_yaml(model)[0]).family
+    assert (recipe.hyp.name, recipe.space.name, recipe.autoanchor) == (hyp, space, family == "anchor-based")
+
+
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
-    from utils.engine.optim import AUTO_SGD_ITERATIONS, E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX, \
-        choose_optimizer
+    from utils.engine.recipe import AUTO_SGD_ITERATIONS, E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX, RECIPES
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
-    yolov5 = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=True)
+    yolov5 = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
-    short = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
+    short = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667, 0.9, 0.0)
     assert "390 steps of 64 images" in short.reason  # ceil(800 / 64) * 30
-    e2e = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False, end2end=True)
+    e2e = RECIPES["end-to-end"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (e2e.name, e2e.momentum, e2e.nominal_batch) == ("AdamW", 0.9, 16)
     assert e2e.lr == 0.000667 * E2E_SHORT_LR_GAIN and f"x {E2E_SHORT_LR_GAIN:g} for an end-to-end head" in e2e.reason
-    few = choose_optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30, anchored=False, end2end=True)
+    few = RECIPES["end-to-end"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30)
     assert few.lr == E2E_SHORT_LR_MAX  # 4 x 0.002 capped
-    e2e_long = choose_optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30, anchored=False,
-                                end2end=True)
+    e2e_long = RECIPES["end-to-end"].optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30)
     assert (e2e_long.name, e2e_long.lr) == ("SGD", 0.01)  # long runs: the anchor-free recipe as it is
     steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
     epochs = AUTO_SGD_ITERATIONS // steps_per_epoch + 1
-    long = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs, anchored=False)
+    long = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs)
     assert (long.name, long.lr, long.momentum) == ("SGD", 0.01, 0.9)
-    at_limit = choose_optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=16, epochs=epochs - 1, anchored=False)
+    at_limit = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=16, epochs=epochs - 1)
     assert at_limit.name == "AdamW"
-    named = choose_optimizer("AdamW", hyp, nc=11, n_images=800, batch_size=16, epochs=30, anchored=False)
+    named = RECIPES["anchor-free"].optimizer("AdamW", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (named.name, named.lr, named.momentum, named.warmup_bias_lr) == ("AdamW", 0.02, 0.95, 0.2)
     # only the short-run AdamW steps every 16 images; the SGD recipes and named optimizers accumulate to 64
     assert short.nominal_batch == 16 and "a step every 16 images" in short.reason
@@ -86,18 +102,18 @@ def test_the_short_run_lr_grows_with_a_larger_batch_up_to_its_cap():
     """A global batch above 16 steps once per batch: batch / 16 times fewer steps, so the AdamW LR grows as much,
     to at most 0.004; at 16 and below it is the batch-16 recipe's. The choice is a function of the resolved
     config alone."""
-    from utils.engine.optim import SHORT_LR_MAX, choose_optimizer
+    from utils.engine.recipe import RECIPES, SHORT_LR_MAX
     hyp = Hyp()
-    lr = {b: choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=b, epochs=30, anchored=False).lr
+    lr = {b: RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=b, epochs=30).lr
           for b in (8, 16, 32, 64, 128, 256)}
     assert lr[8] == lr[16] == 0.000667
     assert (lr[32], lr[64], lr[128], lr[256]) == (0.001334, 0.002668, SHORT_LR_MAX, SHORT_LR_MAX)
-    big = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=False)
+    big = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
     assert "a step every batch of 128 images, the lr x 8 (128 / 16) for the fewer steps, at most 0.004" in big.reason
-    one = choose_optimizer("auto", hyp, nc=1, n_images=800, batch_size=64, epochs=30, anchored=False, end2end=True)
+    one = RECIPES["end-to-end"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=64, epochs=30)
     assert one.lr == SHORT_LR_MAX  # already at the cap: the gain lifts nothing
-    assert big == choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=False)
-    sgd = choose_optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, anchored=True)
+    assert big == RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
+    sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
     assert sgd.lr == hyp.lr0  # YOLOv5's SGD recipe is unchanged
 
 
@@ -113,9 +129,9 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
 
     from pathlib import Path
 
-    from utils.engine.optim import choose_optimizer
+    from utils.engine.recipe import RECIPES
     from utils.engine.state import SavedRun
-    choice = choose_optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10, anchored=False)
+    choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10)
     assert SavedRun(Path("last.pt"), {"optimizer_choice": asdict(choice)}).optimizer_choice == choice
     saved_before = {k: v for k, v in asdict(choice).items() if k != "nominal_batch"}  # runs before the short-run step
     assert SavedRun(Path("last.pt"), {"optimizer_choice": saved_before}).optimizer_choice.nominal_batch == 64

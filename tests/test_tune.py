@@ -19,11 +19,12 @@ import torch
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
-from yolotrain.app.search.space import SPACE_ANCHOR, SPACE_ANCHOR_FREE, load_space
+from utils.engine.recipe import RECIPES
+from utils.weights.checkpoint import load_checkpoint
 from yolotrain.app.search.resume import replay
+from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import retried_from
 from yolotrain.app.search.worker import Reporter
-from utils.weights.checkpoint import load_checkpoint
 
 optuna = pytest.importorskip("optuna")
 TrialState = optuna.trial.TrialState
@@ -71,7 +72,7 @@ def test_one_worker_three_trials_and_results(data, tmp_path, one_thread):
     hyp = load_hyp(folder / "best_hyp.yaml")  # ready for --hyp
     best = max(ts, key=lambda t: t.value)
     assert all(getattr(hyp, k) == pytest.approx(v) for k, v in best.params.items())
-    assert set(best.params) == set(load_space(SPACE_ANCHOR))  # the anchor family's default space
+    assert set(best.params) == set(load_space(RECIPES["anchor-based"].space))  # the anchor family's default space
     with open(folder / "trials.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["number"] for r in rows] == ["0", "1", "2"] and {r["state"] for r in rows} == {"COMPLETE"}
@@ -318,9 +319,9 @@ def test_preempted_torchrun_worker_exits_75_then_completes_the_study(data, tmp_p
 
 
 def test_default_spaces_load():
-    assert {"lr0", "obj", "box", "cls", "mosaic"} <= set(load_space(SPACE_ANCHOR))
-    assert {"lr0", "dfl", "box", "cls", "mosaic"} <= set(load_space(SPACE_ANCHOR_FREE))
-    assert load_space(SPACE_ANCHOR)["lr0"].log and not load_space(SPACE_ANCHOR)["momentum"].log
+    assert {"lr0", "obj", "box", "cls", "mosaic"} <= set(load_space(RECIPES["anchor-based"].space))
+    assert {"lr0", "dfl", "box", "cls", "mosaic"} <= set(load_space(RECIPES["anchor-free"].space))
+    assert load_space(RECIPES["anchor-based"].space)["lr0"].log and not load_space(RECIPES["anchor-based"].space)["momentum"].log
 
 
 @pytest.mark.parametrize("text, words", [

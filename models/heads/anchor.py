@@ -29,6 +29,7 @@ class Detect(Head):
     """
 
     has_anchors = True
+    family = "anchor-based"
 
     def __init__(self, nc: int, anchors: list[list[float]], ch: list[int] | tuple[int, ...]) -> None:
         super().__init__()

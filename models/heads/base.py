@@ -69,6 +69,7 @@ class Head(nn.Module):
     """Base class of detection heads; see the module docstring for the contract."""
 
     has_anchors: ClassVar[bool] = False
+    family: ClassVar[str]  # the training recipe's key (utils/engine/recipe.py): anchor-based, anchor-free, end-to-end
     end2end: bool = False  # eval output is final detections (B, max_det, 6), no NMS; see the module docstring
     # eval also returns every raw output the loss reads (training's validation loss); an inference backend turns
     # it off, so a head may skip work only the loss needs (the end-to-end head's one-to-many branch)

@@ -33,6 +33,7 @@ class DFLDetect(Head):
     """
 
     has_anchors = False
+    family = "anchor-free"
     MIN_REG_MAX: ClassVar[int] = 2  # bins per side; the end-to-end head also takes 1 (plain distances, no DFL)
 
     def __init__(self, nc: int, reg_max: int = 16, dw_cls: bool = False, *, ch: list[int] | tuple[int, ...]) -> None:

@@ -44,6 +44,7 @@ class E2EDetect(DFLDetect):
     docstring. The anchor points, strides and decoding are the DFL head's."""
 
     MIN_REG_MAX = 1
+    family = "end-to-end"
 
     def __init__(self, nc: int, reg_max: int = 1, dw_cls: bool = True, *, ch: list[int] | tuple[int, ...]) -> None:
         super().__init__(nc, reg_max, dw_cls, ch=ch)

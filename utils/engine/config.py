@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.parse import MODELS_DIR, head_has_anchors, load_model_yaml
+from models.parse import MODELS_DIR
 from utils.core import dist, precision
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
@@ -25,12 +25,11 @@ from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
 from utils.data.config import load_data_config
 from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
+from utils.engine.recipe import Recipe, recipe_for
 from utils.engine.state import SavedRun
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
-DEFAULT_HYP = ROOT / "hyps" / "hyp.scratch-low.yaml"  # anchor-based heads (YOLOv5)
-DEFAULT_HYP_ANCHOR_FREE = ROOT / "hyps" / "hyp.v8.yaml"  # anchor-free DFL heads: their gains are on another scale
 
 # Arguments that may differ on --resume without changing what the run computes (or, for
 # epochs, only by the user's explicit wish to train longer); bookkeeping ones are never compared.
@@ -142,7 +141,7 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
     utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
-    hyp = args.hyp if saved or args.hyp else str(DEFAULT_HYP if anchored_model(args) else DEFAULT_HYP_ANCHOR_FREE)
+    hyp = args.hyp if saved or args.hyp else str(model_recipe(args).hyp)  # the family's own loss-gain scale
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = precision.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
     channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
@@ -171,9 +170,9 @@ def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str 
     return cfg.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
 
 
-def anchored_model(args: argparse.Namespace) -> bool:
-    """Whether a fresh run's model has an anchor head (YOLOv5), which picks its family's hyp file."""
-    return head_has_anchors(load_model_yaml(model_source(args, _weights(args)))[0])
+def model_recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe of the model a fresh run builds (its family's hyp file, search space, optimizer rule)."""
+    return recipe_for(model_source(args, _weights(args)))
 
 
 def _weights(args: argparse.Namespace) -> WeightsSource | None:

@@ -25,21 +25,6 @@ def accumulate_steps(batch_size: int, nominal_batch: int = NOMINAL_BATCH) -> int
     return max(round(nominal_batch / batch_size), 1)
 
 
-AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
-E2E_SHORT_LR_GAIN = 4.0  # end-to-end heads' short-run AdamW LR over the anchor-free rule (docs/training.md),
-E2E_SHORT_LR_MAX = 0.004  # at most this (the highest LR measured, at 11 classes, is 0.0053)
-MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
-SHORT_LR_MAX = E2E_SHORT_LR_MAX  # the large-batch gain lifts no short-run AdamW LR above this (and lowers none)
-
-
-def large_batch_gain(batch_size: int) -> float:
-    """The short-run AdamW LR's multiplier at a global batch above SHORT_RUN_BATCH: each step there sees
-    batch / 16 times the images, so a run takes that many times fewer steps, and the LR grows in proportion
-    (the linear rule; the square root, Adam's usual rule, learned less in these few steps: docs/benchmarks.md,
-    "Large batches"). 1 at or below."""
-    return max(batch_size / SHORT_RUN_BATCH, 1.0)
-
-
 @dataclass(frozen=True)
 class OptimizerChoice:
     """The optimizer a run trains with, after --optimizer auto is resolved. Saved in checkpoints so a
@@ -52,56 +37,6 @@ class OptimizerChoice:
     reason: str
     nominal_batch: int = NOMINAL_BATCH  # images per optimizer step (accumulated); runs saved before it: 64
     class_lr_gain: float = 1.0  # LR multiplier on the head's class branches (Head.class_branches)
-
-
-def choose_optimizer(requested: str, hyp, nc: int, n_images: int, batch_size: int, epochs: int,
-                     anchored: bool, end2end: bool = False) -> OptimizerChoice:
-    """Resolve --optimizer. ``auto`` follows each family's recipe:
-
-    * anchor-based heads (YOLOv5): SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains;
-    * anchor-free heads (YOLOv8/YOLO11): short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at
-      the nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup,
-      which learns much faster in few steps (Ultralytics' rule), and step every SHORT_RUN_BATCH
-      images instead of accumulating to 64: a short run is short of updates, and AdamW's
-      per-parameter step size does not grow with the batch, so four times the steps is about four
-      times the learning at the same images/s (measured: docs/benchmarks.md, "Against Ultralytics").
-      A global batch above SHORT_RUN_BATCH steps once per batch, with the LR x large_batch_gain.
-      Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the
-      nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers).
-    * end-to-end heads (YOLO26, YOLOv10): the anchor-free recipe, the short-run AdamW at
-      E2E_SHORT_LR_GAIN times its LR, at most E2E_SHORT_LR_MAX: at the anchor-free LR such a model
-      is still far from fitted after a short schedule (measured: docs/training.md).
-
-    A named optimizer uses the hyp file's lr0, momentum and warmup_bias_lr as written, and 64; MuSGD
-    also gives the head's class branches MUSGD_CLASS_LR_GAIN times the LR.
-    """
-    if requested != "auto":
-        return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
-                               class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
-    if anchored:
-        return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
-                               "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
-    step = max(batch_size, NOMINAL_BATCH)  # the schedule counts steps of 64 images, or of one larger batch
-    iterations = math.ceil(n_images / step) * epochs
-    if iterations > AUTO_SGD_ITERATIONS:
-        return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
-                               f"auto: {iterations} steps of {step} images > {AUTO_SGD_ITERATIONS}, a long schedule")
-    fit = round(0.002 * 5 / (4 + nc), 6)
-    lr = max(fit, min(fit * E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX)) if end2end else fit
-    gain = large_batch_gain(batch_size)
-    lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
-    return OptimizerChoice("AdamW", lr, 0.9, 0.0,
-                           f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
-                           f"lr 0.002 * 5 / (4 + {nc} classes)" + (f" x {E2E_SHORT_LR_GAIN:g} for an end-to-end head (at most {E2E_SHORT_LR_MAX:g})" if end2end else "")
-                           + _step_note(batch_size, gain), nominal_batch=SHORT_RUN_BATCH)
-
-
-def _step_note(batch_size: int, gain: float) -> str:
-    """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
-    if gain == 1.0:
-        return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
-    return (f"; a step every batch of {batch_size} images, the lr x {gain:g} ({batch_size} / {SHORT_RUN_BATCH}) for "
-            f"the fewer steps, at most {SHORT_LR_MAX:g}")
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,

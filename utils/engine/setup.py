@@ -16,7 +16,6 @@ import yaml
 from torch import nn
 
 from models.heads.base import Criterion
-from models.parse import head_has_anchors, load_model_yaml
 from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
 from utils.core import dist, precision
 from utils.core.dist import DistInfo
@@ -28,7 +27,8 @@ from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import RunConfig, model_source
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
-    accumulate_steps, choose_optimizer, smart_optimizer, warmup_iters
+    accumulate_steps, smart_optimizer, warmup_iters
+from utils.engine.recipe import RECIPES, recipe_for
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState, SavedRun, mosaic_off_from
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
@@ -92,9 +92,11 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
                    started: float | None = None) -> Training:
     """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> DDP."""
     source = load_weights_source(cfg.weights) if cfg.weights and not saved else None  # --weights to fine-tune
-    anchored = saved is not None or head_has_anchors(load_model_yaml(model_source(cfg, source))[0])
+    # the family's defaults (utils/engine/recipe.py); runs saved before the optimizer choice was recorded trained
+    # with YOLOv5's SGD, the one rule there was
+    recipe = RECIPES["anchor-based"] if saved else recipe_for(model_source(cfg, source))
     hyp = Hyp(**saved.hyp) if saved else load_hyp(cfg.hyp)
-    na = anchors_per_level(hyp.anchors, cfg.hyp, cfg.noautoanchor) if not saved and anchored else None  # YOLOv5's
+    na = anchors_per_level(hyp.anchors, cfg.hyp, cfg.noautoanchor) if not saved and recipe.autoanchor else None
     save_dir = make_run_dir(cfg, info, hyp, resumed=saved is not None)
     data, names = load_data(cfg, info)
     model, model_info = build_model(cfg, saved, source, len(names), data.anchors, na, device)
@@ -102,11 +104,10 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     imgsz = round_to_stride(cfg.imgsz, grid)
     batch = dist.per_rank_batch(cfg.batch_size, info)
     train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir, device)
-    if not saved and not cfg.noautoanchor and model.detect.has_anchors:  # before EMA and DDP copy the model
+    if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
-    choice = (saved and saved.optimizer_choice) or choose_optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, anchored,
-        model.detect.supports_end2end)
+    choice = (saved and saved.optimizer_choice) or recipe.optimizer(
+        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs)
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
     decay = hyp.weight_decay * cfg.batch_size * accumulate / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,

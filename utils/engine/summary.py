@@ -7,7 +7,8 @@ from models.yolo import de_parallel
 from utils.core import precision
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, DEFAULT_MODEL, SIZE_DEFAULTS
+from utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
+from utils.engine.recipe import RECIPES
 from utils.engine.setup import Training
 from utils.engine.state import saved_metrics
 
@@ -32,7 +33,7 @@ def log_start_summary(t: Training) -> None:
     numerics = f"{str(precision.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
     lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
                  f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {numerics}")
-    family = DEFAULT_HYP if de_parallel(t.model).detect.has_anchors else DEFAULT_HYP_ANCHOR_FREE
+    family = RECIPES[de_parallel(t.model).detect.family].hyp
     changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
         f"differing from {family.name}: " + ", ".join(f"{k}={v:g} ({d:g})" for k, (v, d) in changed.items())

@@ -18,10 +18,11 @@ from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
+from utils.core.prologue import GROUP_MARGIN_S
 from utils.core.watchdog import Watchdog
-from utils.engine.config import DEFAULT_HYP, DEFAULT_HYP_ANCHOR_FREE, anchored_model, size_defaults
+from utils.engine.config import model_recipe, size_defaults
 from yolotrain.app.search.report import write_results
-from yolotrain.app.search.space import default_space, load_space
+from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import StudySettings
 from yolotrain.app.search.worker import Job, run_worker
 
@@ -72,9 +73,9 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
     train_opt = train_parser().parse_args(train_argv)  # train.py's checks, before the study is touched
     folder = Path(opt.project) / opt.study
     folder.mkdir(parents=True, exist_ok=True)
-    anchored = anchored_model(train_opt) if not (train_opt.hyp and opt.space) else None  # the family's defaults
-    base = Path(train_opt.hyp) if train_opt.hyp else DEFAULT_HYP if anchored else DEFAULT_HYP_ANCHOR_FREE
-    space_file = opt.space or default_space(anchored)
+    recipe = model_recipe(train_opt) if not (train_opt.hyp and opt.space) else None  # the family's defaults
+    base = Path(train_opt.hyp) if train_opt.hyp else recipe.hyp
+    space_file = Path(opt.space) if opt.space else recipe.space
     epochs = size_defaults(vars(train_opt))["epochs"]  # each trial's: --epochs, else train.py's default for the data
     job = Job(settings=_settings(opt, folder, epochs), folder=folder, train_argv=_without_hyp(train_argv),
               base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser,
@@ -92,17 +93,15 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
 @contextmanager
 def worker_group(info: dist.DistInfo, train_opt: argparse.Namespace) -> Iterator[None]:
     """A torchrun worker's process group, joined once and left at the end: every trial's train.main trains on it
-    (and leaves it in place). Its collectives wait as long as a trial's would (--hang-timeout)."""
+    (its RunPrologue finds the group there and leaves it). Its collectives wait as long as a trial's would
+    (--hang-timeout)."""
     if not info.distributed:
         yield
         return
     device = dist.select_device(train_opt.device, train_opt.batch_size, info)
     watch = Watchdog(info.rank, train_opt.hang_timeout * 60, peers=True)  # not started: its limits only
-    dist.init_distributed(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + 120)
-    try:
+    with dist.process_group(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + GROUP_MARGIN_S):
         yield
-    finally:
-        dist.cleanup_distributed()
 
 
 def _settings(opt: SearchOptions, folder: Path, epochs: int) -> StudySettings:

@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from utils.core.errors import UserError, did_you_mean
-from utils.core.fileio import ROOT, load_yaml
+from utils.core.fileio import load_yaml
 from utils.core.hyp import Hyp
 
-SPACE_ANCHOR = ROOT / "hyps" / "tune-space.yaml"  # anchor heads (YOLOv5): YOLOv5's evolve ranges
-SPACE_ANCHOR_FREE = ROOT / "hyps" / "tune-space.v8.yaml"  # anchor-free heads: box/cls/dfl on their own scale
 BOUND_KEYS = ("low", "high", "log")
 INTEGRAL = ("anchors",)  # YOLOv5 rounds it; a search would draw fractions it never uses
 
@@ -74,8 +72,3 @@ def _bounds(path: str | Path, key: str, row: Any) -> Bounds:
 def suggest(trial: Any, space: dict[str, Bounds]) -> dict[str, float]:
     """The trial's values, drawn by its sampler (or the fixed ones of an enqueued or retried trial)."""
     return {key: trial.suggest_float(key, b.low, b.high, log=b.log) for key, b in space.items()}
-
-
-def default_space(anchored: bool) -> Path:
-    """The family's default space file."""
-    return SPACE_ANCHOR if anchored else SPACE_ANCHOR_FREE

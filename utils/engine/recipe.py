@@ -1,0 +1,116 @@
+"""One recipe per model family: what a family trains with when the run does not say otherwise.
+
+A head class names its family (``Head.family``: anchor-based, anchor-free, end-to-end); its ``Recipe`` is
+everything the engine, tune and the start summary ask of a family: the default hyp file (the loss gains
+are on each family's own scale), the default search space, whether autoanchor runs, and --optimizer
+auto's rule. Adding a family is one Recipe here plus its head in models/heads.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.parse import load_model_yaml
+from models.registry import head_class
+from utils.core.fileio import ROOT
+from utils.core.hyp import Hyp
+from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
+
+AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
+E2E_SHORT_LR_GAIN = 4.0  # end-to-end heads' short-run AdamW LR over the anchor-free rule (docs/training.md),
+E2E_SHORT_LR_MAX = 0.004  # at most this (the highest LR measured, at 11 classes, is 0.0053)
+MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
+SHORT_LR_MAX = E2E_SHORT_LR_MAX  # the large-batch gain lifts no short-run AdamW LR above this (and lowers none)
+
+AutoRule = Callable[["Recipe", Hyp, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images, batch, epochs
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one family trains by default."""
+
+    family: str  # Head.family of the heads it trains
+    hyp: Path  # default --hyp
+    space: Path  # default tune.py --space
+    autoanchor: bool  # anchors fitted to the data before training (YOLOv5's check)
+    auto: AutoRule  # --optimizer auto
+    short_lr_gain: float = 1.0  # the short-run AdamW LR over the anchor-free rule
+
+    def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch_size: int,
+                  epochs: int) -> OptimizerChoice:
+        """Resolve --optimizer: ``auto`` by this family's rule; a named optimizer with the hyp file's lr0,
+        momentum and warmup_bias_lr as written, and 64 (MuSGD also gives the head's class branches
+        MUSGD_CLASS_LR_GAIN times the LR)."""
+        if requested != "auto":
+            return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
+                                   class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
+        return self.auto(self, hyp, nc, n_images, batch_size, epochs)
+
+
+def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int, epochs: int) -> OptimizerChoice:
+    """Anchor-based heads: SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains."""
+    return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
+                           "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
+
+
+def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int,
+                    epochs: int) -> OptimizerChoice:
+    """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
+    nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup, which learns
+    much faster in few steps (Ultralytics' rule), and step every SHORT_RUN_BATCH images instead of
+    accumulating to 64: a short run is short of updates, and AdamW's per-parameter step size does not
+    grow with the batch, so four times the steps is about four times the learning at the same images/s
+    (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH steps once
+    per batch, with the LR x large_batch_gain. The recipe's ``short_lr_gain`` lifts the LR (end-to-end
+    heads: at the anchor-free LR such a model is still far from fitted after a short schedule), at most
+    E2E_SHORT_LR_MAX. Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and
+    the nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
+    step = max(batch_size, NOMINAL_BATCH)  # the schedule counts steps of 64 images, or of one larger batch
+    iterations = math.ceil(n_images / step) * epochs
+    if iterations > AUTO_SGD_ITERATIONS:
+        return OptimizerChoice("SGD", 0.01, 0.9, hyp.warmup_bias_lr,
+                               f"auto: {iterations} steps of {step} images > {AUTO_SGD_ITERATIONS}, a long schedule")
+    fit = round(0.002 * 5 / (4 + nc), 6)
+    gained = recipe.short_lr_gain != 1.0
+    lr = max(fit, min(fit * recipe.short_lr_gain, E2E_SHORT_LR_MAX)) if gained else fit
+    gain = large_batch_gain(batch_size)
+    lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
+    family = f" x {recipe.short_lr_gain:g} for an {recipe.family} head (at most {E2E_SHORT_LR_MAX:g})" if gained else ""
+    return OptimizerChoice("AdamW", lr, 0.9, 0.0,
+                           f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
+                           f"lr 0.002 * 5 / (4 + {nc} classes){family}" + _step_note(batch_size, gain),
+                           nominal_batch=SHORT_RUN_BATCH)
+
+
+def large_batch_gain(batch_size: int) -> float:
+    """The short-run AdamW LR's multiplier at a global batch above SHORT_RUN_BATCH: each step there sees
+    batch / 16 times the images, so a run takes that many times fewer steps, and the LR grows in proportion
+    (the linear rule; the square root, Adam's usual rule, learned less in these few steps: docs/benchmarks.md,
+    "Large batches"). 1 at or below."""
+    return max(batch_size / SHORT_RUN_BATCH, 1.0)
+
+
+def _step_note(batch_size: int, gain: float) -> str:
+    """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
+    if gain == 1.0:
+        return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
+    return (f"; a step every batch of {batch_size} images, the lr x {gain:g} ({batch_size} / {SHORT_RUN_BATCH}) for "
+            f"the fewer steps, at most {SHORT_LR_MAX:g}")
+
+
+HYPS = ROOT / "hyps"
+RECIPES: dict[str, Recipe] = {r.family: r for r in (
+    Recipe("anchor-based", HYPS / "hyp.scratch-low.yaml", HYPS / "tune-space.yaml", autoanchor=True, auto=yolov5_sgd),
+    Recipe("anchor-free", HYPS / "hyp.v8.yaml", HYPS / "tune-space.v8.yaml", autoanchor=False, auto=short_run_adamw),
+    Recipe("end-to-end", HYPS / "hyp.v8.yaml", HYPS / "tune-space.v8.yaml", autoanchor=False, auto=short_run_adamw,
+           short_lr_gain=E2E_SHORT_LR_GAIN),
+)}
+
+
+def recipe_for(model: str | Path | dict) -> Recipe:
+    """The recipe of a model yaml (a path, a size name such as yolov8n.yaml, or its dict): its head's family;
+    a yaml whose last row is no registered head is read as YOLOv5's (anchors), as the model builder does."""
+    cls = head_class(load_model_yaml(model)[0])
+    return RECIPES[cls.family if cls is not None else "anchor-based"]
