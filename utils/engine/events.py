@@ -11,7 +11,6 @@ import torch
 
 from models.yolo import de_parallel
 from utils.core.callbacks import Callbacks
-from utils.core.runs import ResultsCSV
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
 from utils.eval.evaluate import EvalResult
@@ -69,15 +68,17 @@ class ValEvent:
     """on_val_end: a validation's result (in training, each epoch's; in val.py or YOLO.val, the run's)."""
 
     event: str
-    metrics: dict[str, float]  # P, R, mAP50, mAP50-95 (results.csv's names) and fitness
+    metrics: dict[str, float]  # mp, mr, map50, map, fitness: the names of ValResult and TrainResult.metrics
     result: EvalResult
     save_dir: Path | None = None
     epoch: int | None = None  # in training: the epoch validated, 0-based
 
 
 def metric_summary(result: EvalResult) -> dict[str, float]:
-    """The headline figures of a validation, named as results.csv names them, and the fitness."""
-    return {**ResultsCSV.metric_row(result.metrics), "fitness": result.metrics.fitness()}
+    """The headline figures of a validation and its fitness, by the API's one set of names (ValResult's
+    attributes, TrainResult.metrics' keys); results.csv's column names stay in the files that need them."""
+    m = result.metrics
+    return {"mp": m.mp, "mr": m.mr, "map50": m.map50, "map": m.map, "fitness": m.fitness()}
 
 
 class RunEvents:
