@@ -154,6 +154,21 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
     assert free.save_dir == str(tmp_path / "run2") and free.hyp == str(RECIPES["anchor-free"].hyp)
 
 
+def test_a_fresh_run_reads_its_weights_once(tmp_path, monkeypatch):
+    """--weights is read when the arguments are merged, and that read serves the config and the build."""
+    import utils.engine.config as config
+    from models.parse import load_model_yaml
+    from utils.weights.checkpoint import WeightsSource
+
+    reads, yaml = [], load_model_yaml("yolov8n.yaml")[0]
+    monkeypatch.setattr(config, "load_weights_source", lambda p: reads.append(p) or WeightsSource(Path(p), yaml, {}))
+    opt = train.build_parser().parse_args(["--project", str(tmp_path), "--weights", "w.pt"])
+    resume = config.resolve_resume(opt, defaults=vars(train.build_parser().parse_args([])))
+    cfg = config.resolve_config(resume, torch.device("cpu"))
+    assert reads == ["w.pt"] and resume.fresh_model() is resume.model and resume.model.cfg is yaml
+    assert resume.model.recipe.family == "anchor-free" and cfg.hyp == str(RECIPES["anchor-free"].hyp)
+
+
 def test_a_resume_keeps_the_saved_run_folder_and_hyp(tmp_path):
     import utils.engine.config as config
     args = vars(train.build_parser().parse_args(["--hyp", "hyps/hyp.v8.yaml"]))

@@ -51,11 +51,34 @@ class RunConfig(ResolvedArgs):
 
 
 @dataclass(frozen=True)
+class ModelSource:
+    """The model a fresh run builds, read once per run: ``cfg`` (--cfg, else the --weights checkpoint's yaml,
+    else the default), the --weights checkpoint whose tensors transfer, and the family's recipe."""
+
+    cfg: str | Path | dict
+    weights: WeightsSource | None
+    recipe: Recipe
+
+
+def resolve_model(args: argparse.Namespace) -> ModelSource:
+    """Read --weights (once) and find the model yaml and its family's recipe."""
+    weights = load_weights_source(args.weights) if args.weights else None
+    cfg = args.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
+    return ModelSource(cfg, weights, recipe_for(cfg))
+
+
+@dataclass(frozen=True)
 class Resume:
-    """The arguments after the --resume merge, and the checkpoint to continue (None: a fresh run)."""
+    """The arguments after the --resume merge, and the checkpoint to continue (None: a fresh run, whose model
+    source is read here once)."""
 
     args: ResolvedArgs
     saved: SavedRun | None = None
+    model: ModelSource | None = None
+
+    def fresh_model(self) -> ModelSource:
+        """A fresh run's model source: the one read at the merge, else read now."""
+        return self.model or resolve_model(self.args)
 
 
 def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
@@ -68,12 +91,12 @@ def resolve_resume(opt: argparse.Namespace, defaults: dict[str, Any]) -> Resume:
     """
     given = vars(opt)
     if not opt.resume:
-        return Resume(ResolvedArgs(**given))
+        return Resume(ResolvedArgs(**given), model=resolve_model(opt))
     if opt.resume == "auto":
         path = Path(opt.project) / opt.name / "weights" / "last.pt"
         if not path.is_file():
             LOGGER.info(f"--resume auto: no {path} yet; starting the run")
-            return Resume(ResolvedArgs(**{**given, "resume": False, "exist_ok": True}))
+            return Resume(ResolvedArgs(**{**given, "resume": False, "exist_ok": True}), model=resolve_model(opt))
     else:
         path = latest_checkpoint(opt.project) if opt.resume is True else Path(opt.resume)
     if path is None:
@@ -141,14 +164,15 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
     utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
-    hyp = args.hyp if saved or args.hyp else str(model_recipe(args).hyp)  # the family's own loss-gain scale
+    hyp = args.hyp if saved or args.hyp else str(resume.fresh_model().recipe.hyp)  # the family's loss-gain scale
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = precision.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
     channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
     batch = args.batch_size
     if batch == AUTO_BATCH:
-        batch = auto_batch_size(model_source(args, _weights(args)), _classes(args), load_hyp(hyp), args, device,
-                                info.world_size, amp, channels_last)
+        model = saved.model_yaml if saved else resume.fresh_model().cfg
+        batch = auto_batch_size(model, _classes(args), load_hyp(hyp), args, device, info.world_size, amp,
+                                channels_last)
     val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
     dist.per_rank_batch(val_batch, info, "--val-batch-size")
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
@@ -163,21 +187,6 @@ def augment_default(flag: str, device: torch.device) -> str:
     if flag != "auto":
         return flag
     return "device" if device.type == "cuda" else "workers"
-
-
-def model_source(cfg: argparse.Namespace, weights: WeightsSource | None) -> str | Path | dict:
-    """The model a fresh run builds: --cfg, else the --weights checkpoint's yaml, else the default."""
-    return cfg.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
-
-
-def model_recipe(args: argparse.Namespace) -> Recipe:
-    """The recipe of the model a fresh run builds (its family's hyp file, search space, optimizer rule)."""
-    return recipe_for(model_source(args, _weights(args)))
-
-
-def _weights(args: argparse.Namespace) -> WeightsSource | None:
-    """The --weights checkpoint whose yaml a fresh run builds (only when no --cfg is given)."""
-    return load_weights_source(args.weights) if args.weights and not args.cfg else None
 
 
 def _classes(args: argparse.Namespace) -> int:

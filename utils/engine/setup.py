@@ -25,13 +25,13 @@ from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
-from utils.engine.config import RunConfig, model_source
+from utils.engine.config import ModelSource, RunConfig, resolve_model
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     accumulate_steps, smart_optimizer, warmup_iters
-from utils.engine.recipe import RECIPES, recipe_for
+from utils.engine.recipe import RECIPES
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState, SavedRun, mosaic_off_from
-from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
+from utils.weights.checkpoint import to_plain
 
 
 @dataclass
@@ -89,12 +89,13 @@ class Training:
 
 
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,
-                   started: float | None = None) -> Training:
-    """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> DDP."""
-    source = load_weights_source(cfg.weights) if cfg.weights and not saved else None  # --weights to fine-tune
+                   started: float | None = None, source: ModelSource | None = None) -> Training:
+    """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> DDP.
+    ``source``: a fresh run's model yaml and --weights as read by resolve_resume (read here when not given)."""
+    source = None if saved else source or resolve_model(cfg)
     # the family's defaults (utils/engine/recipe.py); runs saved before the optimizer choice was recorded trained
     # with YOLOv5's SGD, the one rule there was
-    recipe = RECIPES["anchor-based"] if saved else recipe_for(model_source(cfg, source))
+    recipe = RECIPES["anchor-based"] if saved else source.recipe
     hyp = Hyp(**saved.hyp) if saved else load_hyp(cfg.hyp)
     na = anchors_per_level(hyp.anchors, cfg.hyp, cfg.noautoanchor) if not saved and recipe.autoanchor else None
     save_dir = make_run_dir(cfg, info, hyp, resumed=saved is not None)
@@ -153,7 +154,7 @@ def load_data(opt: RunConfig, info: DistInfo) -> tuple[DataConfig, list[str]]:
     return data, (["item"] if opt.single_cls else data.names)
 
 
-def build_model(opt: RunConfig, saved: SavedRun | None, source: WeightsSource | None, nc: int, anchors: list | None,
+def build_model(opt: RunConfig, saved: SavedRun | None, source: ModelSource | None, nc: int, anchors: list | None,
                 na: int | None, device: torch.device) -> tuple[Model, ModelInfo]:
     """The model to train, identical on every rank: a resumed run's own, or one built from --cfg
     (or --weights' yaml) with the seed, and the tensors of --weights that fit transferred."""
@@ -162,9 +163,9 @@ def build_model(opt: RunConfig, saved: SavedRun | None, source: WeightsSource | 
         model = Model(saved.model_yaml)
         model.load_state_dict(saved.model_weights)
     else:
-        model = Model(model_source(opt, source), nc=nc, anchors=anchors, na=na)
-        if source:
-            transfer_weights(model, source.weights, opt.weights)
+        model = Model(source.cfg, nc=nc, anchors=anchors, na=na)
+        if source.weights:
+            transfer_weights(model, source.weights.weights, opt.weights)
     model = model.to(device)
     freeze_layers(model, opt.freeze)
     model.to(memory_format=torch.channels_last if opt.channels_last else torch.contiguous_format)

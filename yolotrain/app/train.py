@@ -30,7 +30,7 @@ from utils.core.prologue import RunPrologue
 from utils.core.watchdog import Watchdog
 from utils.data.imgcache import release_ram_caches
 from utils.engine.autobatch import BATCH_SIZE
-from utils.engine.config import RunConfig, resolve_config, resolve_resume, size_default_help
+from utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_resume, size_default_help
 from utils.engine.hooks import Hooks, build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
@@ -160,15 +160,16 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
         if device.type == "cpu":
             tune_malloc()  # large CPU tensors stay mapped between batches (utils/core/cpu.py)
         cfg = resolve_config(resume, device, run.info)  # frozen from here: precision, layout, hyp file, run folder
-        return train(cfg, run.info, device, resume.saved, stop, run.watch, callbacks)
+        return train(cfg, run.info, device, resume.saved, stop, run.watch, callbacks, resume.model)
 
 
 def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: SavedRun | None, stop: StopRequest,
-          watch: Watchdog, callbacks: Callbacks | None = None) -> TrainResult:
-    """Build the run, train its epochs, then act on why they ended: finish, or exit for a requeue or a NaN."""
+          watch: Watchdog, callbacks: Callbacks | None = None, source: ModelSource | None = None) -> TrainResult:
+    """Build the run, train its epochs, then act on why they ended: finish, or exit for a requeue or a NaN.
+    ``source``: a fresh run's model yaml and --weights, read once when the arguments were merged."""
     started = time.time()
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
-        t = build_training(cfg, info, device, saved, started)  # data, model, loaders, anchors, optimizer, state, DDP
+        t = build_training(cfg, info, device, saved, started, source)  # data, model, loaders, optimizer, state, DDP
         hooks = build_hooks(t, callbacks, stop)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
     with hooks:  # the trackers close on every end: finished, preempted, failed
         return fit(t, hooks, stop, watch, started)

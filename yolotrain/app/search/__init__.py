@@ -20,7 +20,7 @@ from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
 from utils.core.prologue import GROUP_MARGIN_S
 from utils.core.watchdog import Watchdog
-from utils.engine.config import model_recipe, size_defaults
+from utils.engine.config import resolve_model, size_defaults
 from yolotrain.app.search.report import write_results
 from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import StudySettings
@@ -73,7 +73,7 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
     train_opt = train_parser().parse_args(train_argv)  # train.py's checks, before the study is touched
     folder = Path(opt.project) / opt.study
     folder.mkdir(parents=True, exist_ok=True)
-    recipe = model_recipe(train_opt) if not (train_opt.hyp and opt.space) else None  # the family's defaults
+    recipe = resolve_model(train_opt).recipe if not (train_opt.hyp and opt.space) else None  # the family's defaults
     base = Path(train_opt.hyp) if train_opt.hyp else recipe.hyp
     space_file = Path(opt.space) if opt.space else recipe.space
     epochs = size_defaults(vars(train_opt))["epochs"]  # each trial's: --epochs, else train.py's default for the data
