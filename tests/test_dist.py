@@ -173,3 +173,12 @@ def test_cpu_threads_never_oversubscribe_the_node(one_thread):
     torch.set_num_threads(cores)
     assert set_cpu_threads(dist.DistInfo(0, 0, 1, 1)) == cores
     assert set_cpu_threads(dist.DistInfo(0, 0, 1, 1), requested=3) == 3 == torch.get_num_threads()
+
+
+def test_the_listed_cuda_devices_are_select_devices_parse():
+    """The Python API counts the ranks to start from --device with the same parse and refusals."""
+    assert [dist.listed_cuda_devices(d) for d in ("0,1", "cuda:1", " 2 , 3 ", "", "cpu", "CPU", "cuda")] == [
+        [0, 1], [1], [2, 3], [], [], [], []]
+    for bad, message in (("0,0", "listed more than once"), ("gpu", "expected 'cpu', 'cuda' or CUDA indices")):
+        with pytest.raises(UserError, match=message):
+            dist.listed_cuda_devices(bad)

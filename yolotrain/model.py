@@ -23,13 +23,10 @@ from models.yolo import Model
 from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError, did_you_mean
-from utils.core.runs import pick_run_dir
 from utils.data.sources import resolve_sources
 from utils.engine.state import TrainResult
-from utils.infer.backends import EXPORT_SUFFIXES, load_backend
-from utils.infer.loop import ShardReport, ShardSettings, VideoSinks, predict_batches, write_prediction
-from utils.infer.predict import Predictor
-from utils.infer.save import Writer
+from utils.infer.backends import EXPORT_SUFFIXES
+from utils.infer.loop import ShardReport, VideoSinks, predict_batches, write_prediction
 from utils.weights.checkpoint import load_model
 from yolotrain.launch import launch_training
 from yolotrain.options import ALIASES, option_flags, parse, to_argv
@@ -137,21 +134,16 @@ class YOLO:
         return Path(export_cli.main(opt)[0].path)
 
     def _predict(self, opt, sources) -> Iterator[Results]:
-        device = dist.select_device(opt.device)
-        backend = load_backend(opt.weights, device, opt.end2end, opt.max_det)
-        meta = backend.meta
-        imgsz = detect_cli.input_size(opt.imgsz, meta)
-        predictor = Predictor(backend, device, detect_cli.predict_options(opt, meta, device))
-        writer = None
-        if not opt.nosave or opt.save_txt or opt.save_crop:
-            writer = Writer(pick_run_dir(opt.project, opt.name, opt.exist_ok, dist.DistInfo(), create=True), meta.names,
-                            detect_cli.save_options(opt))
+        """detect.py's pipeline in this process; each batch's Results yielded, its files written when asked."""
+        one = dist.DistInfo()
+        run = detect_cli.build_pipeline(opt, dist.select_device(opt.device), one,
+                                        writes=not opt.nosave or opt.save_txt or opt.save_crop)
+        writer, names = run.writer, list(run.meta.names)
         sinks = VideoSinks(writer) if writer else None
-        report = ShardReport(nc=meta.nc)
-        settings = ShardSettings(imgsz, opt.batch_size, opt.workers)
         try:
-            for k, batch in enumerate(predict_batches(sources, predictor, settings, dist.DistInfo(), True, report)):
-                results = as_results(batch, list(meta.names))
+            for k, batch in enumerate(predict_batches(sources, run.predictor, run.settings, one, True,
+                                                      ShardReport(nc=run.meta.nc))):
+                results = as_results(batch, names)
                 for p in batch if writer else ():
                     write_prediction(p, writer, sinks)
                 if self.callbacks.wants("on_predict_batch_end"):
@@ -197,5 +189,4 @@ def _ranks(device: str, nproc: int | None) -> int:
         if not isinstance(nproc, int) or nproc < 1:
             raise UserError(f"nproc must be a positive integer, got {nproc!r}")
         return nproc
-    ids = [d for d in str(device).replace("cuda:", "").split(",") if d.strip().isdigit()]
-    return max(len(ids), 1)
+    return max(len(dist.listed_cuda_devices(device)), 1)

@@ -134,6 +134,13 @@ def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None =
     return chosen
 
 
+def listed_cuda_devices(device: str) -> list[int]:
+    """The CUDA indices a --device string names ('0,1' -> [0, 1]); [] for '', 'cpu' or 'cuda'. The same
+    parse and refusals as select_device (the Python API counts the ranks to start with it)."""
+    spec = str(device).strip().lower().replace(" ", "")
+    return [] if spec == "cpu" else _device_ids(device, spec) or []
+
+
 def _device_ids(device: str, spec: str) -> list[int] | None:
     """The CUDA indices of a --device string ('0,1', 'cuda:1'), None for '' or 'cuda' (any visible)."""
     if spec in ("", "cuda"):

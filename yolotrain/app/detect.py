@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -102,24 +103,44 @@ def main(opt: argparse.Namespace) -> RunSummary | None:
         return detect(opt, sources, device, run.info)
 
 
-def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:
-    """Load the model, predict this rank's share of the sources writing each output once, and report on rank 0."""
+@dataclass(frozen=True)
+class Pipeline:
+    """What predicting takes, built once from detect's flags: the model's card, the input size, the predictor,
+    the writer (None when nothing is saved) and the loader settings. detect.py and YOLO.predict both run it."""
+
+    meta: ModelMeta
+    imgsz: int
+    predictor: Predictor
+    writer: Writer | None
+    settings: ShardSettings
+
+
+def build_pipeline(opt: argparse.Namespace, device: torch.device, info: dist.DistInfo, writes: bool) -> Pipeline:
+    """Backend -> input size -> predictor -> writer (``writes``: into a new run folder that every rank shares)."""
     backend = load_backend(opt.weights, device, opt.end2end, opt.max_det)
     meta = backend.meta
     imgsz = input_size(opt.imgsz, meta)
+    writer = None
+    if writes:
+        save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
+        writer = Writer(save_dir, meta.names, save_options(opt))
+    settings = ShardSettings(imgsz, dist.per_rank_batch(opt.batch_size, info), opt.workers)
+    return Pipeline(meta, imgsz, Predictor(backend, device, predict_options(opt, meta, device)), writer, settings)
+
+
+def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:
+    """Load the model, predict this rank's share of the sources writing each output once, and report on rank 0."""
+    run = build_pipeline(opt, device, info, writes=True)
+    meta = run.meta
     numerics = (", bf16" if device.type == "cpu" else ", fp16") if opt.half and meta.format == "pytorch" else ""
     mode = f", end-to-end, {meta.max_det} per image" if meta.end2end else ""
     LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}{mode}){numerics}, {meta.nc} classes, "
-                f"input {imgsz}x{imgsz}; {len(sources.images)} images, {len(sources.videos)} videos")
-    save_dir = pick_run_dir(opt.project, opt.name, opt.exist_ok, info, create=True)  # every rank writes into it
-    predictor = Predictor(backend, device, predict_options(opt, meta, device))
-    writer = Writer(save_dir, meta.names, save_options(opt))
+                f"input {run.imgsz}x{run.imgsz}; {len(sources.images)} images, {len(sources.videos)} videos")
     started = time.perf_counter()
-    settings = ShardSettings(imgsz, dist.per_rank_batch(opt.batch_size, info), opt.workers)
-    report = run_shard(sources, predictor, writer, settings, info)
+    report = run_shard(sources, run.predictor, run.writer, run.settings, info)
     if info.is_main:
         note_problems(sources.problems, sources.duplicates, report)
-    return finish(report, list(meta.names), started, imgsz, opt.batch_size, save_dir, info)
+    return finish(report, list(meta.names), started, run.imgsz, opt.batch_size, run.writer.dir, info)
 
 
 def predict_options(opt: argparse.Namespace, meta: ModelMeta, device: torch.device) -> PredictOptions:
