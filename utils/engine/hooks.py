@@ -17,7 +17,6 @@ from utils.core.runs import ResultsCSV
 from utils.engine.events import RunEvents
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
-from utils.engine.state import make_checkpoint
 from utils.engine.track import Tracker, attach_trackers, close_trackers
 from utils.eval.evaluate import EvalResult
 from utils.eval.outputs import save_eval_plots
@@ -65,7 +64,7 @@ class Checkpointer:
         """After epoch ``t.state.epoch``: last.pt, best.pt when it is the best so far, epochN.pt when due."""
         if not self.info.is_main:
             return
-        ckpt = make_checkpoint(t)
+        ckpt = t.checkpoint()
         self._save(ckpt, self.last)
         if is_best:
             self._save(ckpt, self.best)
@@ -77,7 +76,7 @@ class Checkpointer:
         """--save-interval or a stop signal: last.pt at an optimizer step inside ``t.state.epoch``."""
         if not self.info.is_main:
             return
-        self._save(make_checkpoint(t), self.last)
+        self._save(t.checkpoint(), self.last)
         LOGGER.info(f"Saved {self.last} at epoch {t.state.epoch + 1}, batch {t.state.batch}/{t.batches_per_epoch}")
 
     def finish(self, strip: bool) -> None:

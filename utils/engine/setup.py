@@ -30,7 +30,7 @@ from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEM
     accumulate_steps, smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
 from utils.engine.recover import NanRecovery
-from utils.engine.state import RunState, SavedRun, mosaic_off_from
+from utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
 from utils.weights.checkpoint import to_plain
 
 
@@ -86,6 +86,15 @@ class Training:
     def autocast(self) -> torch.autocast:
         """The forward and loss precision of --amp (off: fp32)."""
         return torch.autocast(self.device.type, dtype=precision.amp_dtype(self.device), enabled=self.amp)
+
+    def checkpoint(self) -> dict:
+        """The run state and the run's record, as a checkpoint file holds them (utils/engine/state.py)."""
+        record = RunRecord(model_yaml=de_parallel(self.model).yaml, optimizer_choice=self.optimizer_choice,
+                           seed=self.cfg.seed, world_size=self.info.world_size, hyp=self.hyp.as_dict(),
+                           args={**self.cfg.as_dict(), "epochs": self.state.epochs, "imgsz": self.imgsz},
+                           names=list(self.names),
+                           val_precision=("fp16" if self.device.type == "cuda" else "bf16") if self.val_half else "fp32")
+        return make_checkpoint(self.state, record)
 
 
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,

@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,9 +33,6 @@ from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerCho
 from utils.engine.recover import NanRecovery
 from utils.eval.metrics import DetectionMetrics
 from utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
-
-if TYPE_CHECKING:  # setup builds the run state: a runtime import would run in a circle
-    from utils.engine.setup import Training
 
 
 class StopReason(enum.Enum):
@@ -209,19 +206,31 @@ class RunState:
         self.resumed = True
 
 
-def run_record(t: Training) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RunRecord:
     """What a checkpoint says the run is, beside its state: the model to rebuild, the arguments (with the
     run's current epoch count, and the image size it trains at: --imgsz rounded up to the stride) and
     hyperparameters to resume with, the names, and how its metrics were computed."""
-    return {"model_yaml": to_plain(de_parallel(t.model).yaml), "optimizer_choice": asdict(t.optimizer_choice),
-            "seed": t.cfg.seed, "world_size": t.info.world_size, "hyp": t.hyp.as_dict(),
-            "args": to_plain({**t.cfg.as_dict(), "epochs": t.state.epochs, "imgsz": t.imgsz}), "names": list(t.names),
-            "val_precision": ("fp16" if t.device.type == "cuda" else "bf16") if t.val_half else "fp32", "versions": versions(), "date": now_iso()}
+
+    model_yaml: dict[str, Any]
+    optimizer_choice: OptimizerChoice
+    seed: int
+    world_size: int
+    hyp: dict[str, Any]
+    args: dict[str, Any]
+    names: list[str]
+    val_precision: str  # fp32, or the --amp precision validation ran in (bf16 on CPU, fp16 on CUDA)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_yaml": to_plain(self.model_yaml), "optimizer_choice": asdict(self.optimizer_choice),
+                "seed": self.seed, "world_size": self.world_size, "hyp": self.hyp, "args": to_plain(self.args),
+                "names": list(self.names), "val_precision": self.val_precision, "versions": versions(),
+                "date": now_iso()}
 
 
-def make_checkpoint(t: Training) -> dict[str, Any]:
+def make_checkpoint(state: RunState, record: RunRecord) -> dict[str, Any]:
     """Everything an exact continuation needs, in weights_only-safe types."""
-    return {**t.state.state_dict(), **run_record(t)}
+    return {**state.state_dict(), **record.as_dict()}
 
 
 RESULT_FILE_ENV = "YOLOTRAIN_RESULT_FILE"  # set by the Python API's launcher (yolotrain/launch.py)
@@ -235,11 +244,11 @@ def hand_back(result: TrainResult, is_main: bool) -> None:
             json.dump(result.as_dict(), f)
 
 
-def train_result(t: Training, end: Stop) -> TrainResult:
+def train_result(save_dir: Path, end: Stop) -> TrainResult:
     """The finished run's result, on every rank (best.pt's metrics are read where the file is: rank 0's node)."""
-    best, last = t.save_dir / "weights" / "best.pt", t.save_dir / "weights" / "last.pt"
+    best, last = save_dir / "weights" / "best.pt", save_dir / "weights" / "last.pt"
     best = best if best.exists() else None
-    return TrainResult(save_dir=t.save_dir, best=best, last=last, metrics=saved_metrics(best) if best else {},
+    return TrainResult(save_dir=save_dir, best=best, last=last, metrics=saved_metrics(best) if best else {},
                        epochs=end.epochs, stop=end.reason.value)
 
 

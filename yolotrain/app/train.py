@@ -193,7 +193,7 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
         hooks.checkpointer.mark_preempted(end.message)  # <run>/PREEMPTED: what a requeueing batch script tests
         raise Preempted(end.message)
     hooks.checkpointer.finish(strip=not t.cfg.keep_optimizer)
-    result = train_result(t, end)
+    result = train_result(t.save_dir, end)
     if info.is_main:
         hooks.plots.results()
         log_end_summary(t, end.epochs, time.time() - started)
