@@ -193,11 +193,11 @@ def test_torchrun_every_rank_refuses(tmp_path):
 # ---------------------------------------------------------------- python -m yolotrain <tool>
 def test_the_module_entry_point_runs_each_tool_under_its_own_name(capsys, monkeypatch):
     from yolotrain import __main__ as entry
-    from yolotrain.app import coco, convert, detect, export, train, tune, val, weights
+    from yolotrain.app import coco, convert, detect, export, shards, train, tune, val, weights
 
     assert {name: fn for name, (fn, _) in entry.TOOLS.items()} == {
         "train": train.cli, "val": val.cli, "detect": detect.cli, "export": export.cli, "tune": tune.cli,
-        "convert": convert.cli, "weights": weights.cli, "coco": coco.cli}
+        "convert": convert.cli, "weights": weights.cli, "coco": coco.cli, "shards": shards.cli}
     monkeypatch.setattr(sys, "argv", ["x"])
     assert entry.main(["val", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m yolotrain val ")

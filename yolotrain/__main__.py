@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from yolotrain.app import coco, convert, detect, export, train, tune, val, weights
+from yolotrain.app import coco, convert, detect, export, shards, train, tune, val, weights
 
 TOOLS: dict[str, tuple[Callable[[list[str] | None], int], str]] = {
     "train": (train.cli, "train a detector (train.py)"),
@@ -20,6 +20,7 @@ TOOLS: dict[str, tuple[Callable[[list[str] | None], int], str]] = {
     "convert": (convert.cli, "COCO or Pascal VOC annotations to a YOLO dataset"),
     "weights": (weights.cli, "a YOLOv5 or Ultralytics checkpoint to a yolotrain one"),
     "coco": (coco.cli, "a split's ground truth as COCO json"),
+    "shards": (shards.cli, "a dataset as tar shards with an index, to train from"),
 }
 
 

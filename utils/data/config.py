@@ -17,6 +17,7 @@ from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
 from utils.data.images import IMG_SUFFIXES
+from utils.data.shards import is_shard_index
 
 
 @dataclass
@@ -192,7 +193,10 @@ def _missing_split_hint(cfg: DataConfig, split: Path) -> str:
 
 
 def _has_images(path: Path) -> bool:
-    """Cheap emptiness check (stops at the first image): a folder with an image, or a non-empty list."""
+    """Cheap emptiness check (stops at the first image): a folder with an image, or a non-empty list; a shard
+    index is read when opened."""
+    if is_shard_index(path):
+        return True
     if path.is_dir():
         return any(f.suffix.lower() in IMG_SUFFIXES for f in path.rglob("*"))
     if path.suffix.lower() == ".txt":

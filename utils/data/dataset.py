@@ -21,12 +21,13 @@ from utils.data.augment import resize_long_side, resized_hw
 from utils.data.batch import Batch, BatchMemory, batch_targets
 from utils.data.device_augment import pack
 from utils.data.geometry import Placement
-from utils.data.images import read_image_bgr
+from utils.data.images import decode_image_bgr, read_image_bgr
 from utils.data.labelcache import load_or_scan
 from utils.data.labels import describe_source, format_summary, img2label_paths, require_usable, resolve_image_files
 from utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from utils.data.problems import check_label_presence, report_messages, write_problem_report
 from utils.data.render import Scratch, TileSource, render
+from utils.data.shards import ShardIndex, is_shard_index
 
 
 class SampleKey(NamedTuple):
@@ -67,16 +68,20 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.path, self.img_size, self.augment = path, img_size, augment
         self.hyp = hyp if hyp is not None else Hyp()
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
+        self.shards = ShardIndex.open(path, nc) if is_shard_index(path) else None  # its index replaces the scan
         with watchdog.phase("scan", f"{prefix}{describe_source(path)}"):  # the scan beats per file
-            img_files = resolve_image_files(path)
-            label_files = img2label_paths(img_files)
-            result, self.cache_hit = load_or_scan(path, img_files, label_files, nc, cache_dir)
+            if self.shards is not None:
+                result, self.cache_hit = self.shards.scan_result(), True
+            else:
+                img_files = resolve_image_files(path)
+                result, self.cache_hit = load_or_scan(path, img_files, img2label_paths(img_files), nc, cache_dir)
         c, where, split = result.counts, describe_source(path), prefix.strip(" :") or "split"
         if verbose:
             report = write_problem_report(result.msgs, report_dir, split, where) if report_dir else None
             report_messages(result.msgs, prefix, report)
+            known = " (from the shard index)" if self.shards is not None else " (from cache)" if self.cache_hit else ""
             LOGGER.info(f"{prefix}Scanning {where}... {c['images']} images, {c['backgrounds']} backgrounds, "
-                        f"{c['corrupt']} corrupt" + (" (from cache)" if self.cache_hit else ""))
+                        f"{c['corrupt']} corrupt{known}")
             LOGGER.info(format_summary(c, split))
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
@@ -87,6 +92,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             for x in self.labels:
                 x[:, 0] = 0
         self.image_hw = np.asarray(result.image_hw, dtype=np.int32).reshape(-1, 2)
+        self.rows = np.arange(len(self.im_files))  # each sample's row in the shard index (rect reorders them)
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
@@ -104,7 +110,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.im_files = [self.im_files[i] for i in order]
         self.label_files = [self.label_files[i] for i in order]
         self.labels = [self.labels[i] for i in order]
-        self.image_hw, ar = self.image_hw[order], ar[order]
+        self.image_hw, self.rows, ar = self.image_hw[order], self.rows[order], ar[order]
         nb = math.ceil(len(ar) / batch_size)
         rel_hw = np.ones((nb, 2))  # each batch's (h, w) relative to img_size
         for i in range(nb):
@@ -122,7 +128,10 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         """BGR image resized so its long side is img_size, and its original (h, w)."""
         if self.imgcache is not None:  # byte-identical to the disk path below
             return self.imgcache.get(i)
-        img = read_image_bgr(self.im_files[i])  # the scan's decoder: EXIF, alpha, 16-bit, CMYK, truncation
+        if self.shards is not None:  # the image's bytes by their range in its shard, the same decoder
+            img = decode_image_bgr(self.shards.read(self.rows[i]), self.shards.member(self.rows[i]))
+        else:
+            img = read_image_bgr(self.im_files[i])  # the scan's decoder: EXIF, alpha, 16-bit, CMYK, truncation
         return resize_long_side(img, self.img_size, self.augment), img.shape[:2]
 
     def plan_inputs(self) -> PlanInputs:

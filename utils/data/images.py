@@ -123,6 +123,14 @@ def read_image_bgr(path: str | Path) -> np.ndarray:
         raise UserError(f"{path}: {e}") from None
 
 
+def decode_image_bgr(data: bytes, name: str) -> np.ndarray:
+    """``read_image_bgr`` for bytes already read (a shard member): the same decoder, errors naming ``name``."""
+    try:
+        return _decode_bgr(data)[0]
+    except ValueError as e:
+        raise UserError(f"{name}: {e}") from None
+
+
 def verify_image(path: str) -> tuple[tuple[int, int], str]:
     """Upright size (h, w) after a full decode and a warning ('' if none); ValueError when unusable.
 

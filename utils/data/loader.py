@@ -164,6 +164,13 @@ def pins_by_default() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def _files_to_cache(dataset: LoadImagesAndLabels, cache: str, path: Any) -> None:
+    """--cache builds from the image files; a shard index has none to read."""
+    if dataset.shards is not None:
+        raise UserError(f"{path}: --cache {cache} reads images from files; a shard index is read from its shards "
+                        "(drop --cache, or train from the folder the shards were made from)")
+
+
 def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),
                       single_cls: bool = False, hyp: Hyp | None = None, augment: bool = False,
                       cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
@@ -208,6 +215,7 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
     pin = pins_by_default() if pin_memory is None else pin_memory
     if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
+        _files_to_cache(dataset, cache, path)
         dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
                                          image_hw=dataset.image_hw, path=path, prefix=prefix,
                                          workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS))

@@ -1,0 +1,139 @@
+"""A dataset as tar shards plus an index (python -m yolotrain shards, utils/data/shards.py): what the shards hold,
+how bad input is reported, that the folder is written whole, and that training from shards is training from the
+folder."""
+from __future__ import annotations
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import PYTHON, ROOT, run_env
+from utils.core.errors import UserError
+from utils.data.config import load_data_config
+from utils.data.dataset import LoadImagesAndLabels
+from utils.data.labels import img2label_paths, resolve_image_files, scan_labels
+from utils.data.loader import create_dataloader
+from utils.data.shards import ShardIndex
+from yolotrain.app import shards
+
+
+def _make(src: Path, out: Path, *flags: str) -> Path:
+    shards.main(shards.build_parser().parse_args([str(src), str(out), *flags]))
+    return out
+
+
+def _folder(root: Path, n: int, corrupt: tuple[int, ...] = ()) -> Path:
+    """``root``/images/train with ``n`` small pictures (one box each) and labels; ``corrupt`` ones are not images."""
+    imgs, lbls = root / "images" / "train", root / "labels" / "train"
+    imgs.mkdir(parents=True)
+    lbls.mkdir(parents=True)
+    for k in range(n):
+        if k in corrupt:
+            (imgs / f"{k}.jpg").write_bytes(b"not a picture")
+        else:
+            cv2.imwrite(str(imgs / f"{k}.png"), np.full((40 + k, 48, 3), 20 * k, np.uint8))
+        (lbls / f"{k}.txt").write_text(f"0 0.5 0.5 0.{k + 1} 0.25\n")
+    return imgs
+
+
+def test_the_shards_hold_what_a_scan_of_the_folder_finds(tiny_data, tmp_path, restore_logger):
+    out = _make(tiny_data, tmp_path / "out", "--shard-size", "1")
+    data = load_data_config(tiny_data)
+    made = load_data_config(out / "data.yaml")
+    assert made.names == data.names and [Path(p).name for p in made.train + made.val] == ["train.index", "val.index"]
+    for split in ("train", "val"):
+        files = resolve_image_files(getattr(data, split))
+        scan = scan_labels(files, img2label_paths(files), len(data.names))
+        index = ShardIndex.open(out / f"{split}.index", nc=len(data.names))
+        back = index.scan_result()
+        assert back.img_files == scan.img_files and back.label_files == scan.label_files
+        assert np.array_equal(back.image_hw, scan.image_hw) and back.counts == scan.counts
+        assert all(np.array_equal(a, b) for a, b in zip(back.labels, scan.labels))
+        tars = sorted(out.glob(f"{split}-*.tar"))
+        members = {}
+        for t in tars:  # plain tar reads them: <key>.<suffix> and <key>.txt per sample
+            with tarfile.open(t) as tar:
+                members.update({m.name: tar.extractfile(m).read() for m in tar.getmembers()})
+        assert len(members) == 2 * len(scan.img_files)
+        for i, (f, labels) in enumerate(zip(scan.img_files, scan.labels)):
+            key = f"{i:09d}"
+            assert index.read(i) == members[f"{key}{Path(f).suffix}"] == Path(f).read_bytes()
+            rows = np.array([r.split() for r in members[f"{key}.txt"].decode().splitlines()], float).reshape(-1, 5)
+            assert np.array_equal(rows, labels)
+
+
+def test_a_bad_image_is_reported_as_the_folder_scan_reports_it_and_left_out(tmp_path, capsys, restore_logger):
+    imgs = _folder(tmp_path / "src", 4, corrupt=(2,))
+    files = resolve_image_files(imgs)
+    expected = scan_labels(files, img2label_paths(files), 1).msgs
+    out = _make(imgs, tmp_path / "out", "--nc", "1")
+    assert expected and all(m in capsys.readouterr().out for m in expected)
+    index = ShardIndex.open(out / "train.index")
+    assert len(index) == 3 and index.meta["msgs"] == expected and index.meta["counts"]["corrupt"] == 1
+    assert not (out / "data.yaml").exists()  # a folder source has no names to write
+
+
+def test_the_folder_is_written_whole_or_not_at_all(tmp_path, restore_logger):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("x")
+    imgs = _folder(tmp_path / "src", 2)
+    with pytest.raises(UserError, match="exists and is not empty"):
+        _make(imgs, taken, "--nc", "1")
+    with pytest.raises(UserError, match="needs --nc"):
+        _make(imgs, tmp_path / "out")
+    bad = _folder(tmp_path / "bad", 2, corrupt=(0, 1))  # nothing usable: the split is refused
+    with pytest.raises(UserError):
+        _make(bad, tmp_path / "out", "--nc", "1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "src", "taken"]  # no half folder, no temp left
+
+
+def test_a_split_reads_its_index_and_refuses_what_it_cannot_do(tmp_path, restore_logger):
+    imgs = _folder(tmp_path / "src", 3)
+    out = _make(imgs, tmp_path / "out", "--nc", "1")
+    ds = LoadImagesAndLabels([str(out / "train.index")], img_size=64, nc=1, verbose=False)
+    img, hw = ds.load_image(1)
+    assert hw == (41, 48) and img.shape[:2] == (55, 64) and int(img[0, 0, 0]) == 20
+    with pytest.raises(UserError, match="made for 1 classes, the dataset yaml has 2"):
+        LoadImagesAndLabels(out / "train.index", img_size=64, nc=2, verbose=False)
+    with pytest.raises(UserError, match="--cache ram reads images from files"):
+        create_dataloader(out / "train.index", 64, 2, 32, nc=1, cache="ram", workers=0)
+    tar, cut = out / "train-000000.tar", int(ShardIndex.open(out / "train.index").arrays["offset"][2]) + 10
+    tar.write_bytes(tar.read_bytes()[:cut])  # the last image's bytes cut short
+    last = LoadImagesAndLabels(out / "train.index", img_size=64, nc=1, verbose=False)
+    with pytest.raises(UserError, match=r"train-000000.tar/000000002.png: the shard ends \d+ bytes early"):
+        last.load_image(2)
+
+
+@pytest.mark.slow
+def test_training_from_shards_is_training_from_the_folder(tiny_data, tmp_path, restore_logger):
+    out = _make(tiny_data, tmp_path / "shards")
+    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "2", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
+             "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
+    for name, data in (("folder", tiny_data), ("shards", out / "data.yaml")):
+        p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=run_env(),
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert "(from the shard index)" in p.stdout
+    a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "shards"))
+    for part in ("model", "ema"):  # the optimizer is stripped from a finished run
+        flat_a, flat_b = _tensors(a[part]), _tensors(b[part])
+        assert flat_a.keys() == flat_b.keys() and all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a)
+    assert a["metrics"] == b["metrics"]
+    assert (tmp_path / "runs" / "folder" / "results.csv").read_text() == (tmp_path / "runs" / "shards" /
+                                                                         "results.csv").read_text()
+
+
+def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _tensors(sub, f"{prefix}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in _tensors(sub, f"{prefix}/{i}").items()}
+    return {}

@@ -1,0 +1,203 @@
+"""A split as tar shards plus one index: what a rank needs of the data without a scan or a folder.
+
+Shards use the WebDataset layout: per sample ``<key>.<image suffix>`` (the source file's bytes as they
+were) and ``<key>.txt`` (its usable label rows, ``class xc yc w h``), so the ``webdataset`` library and
+plain ``tar`` read them. The key is the sample's position in the split, nine digits.
+
+The index is a folder ``<split>.index`` beside the shards: arrays a rank memory-maps (no text to parse)
+and one small json. Per sample: its shard, the byte range of its image inside the tar, its upright size
+(h, w) and its labels (float64 as the scan read them, one row range per sample), and the source path it
+was made from (for messages and COCO file names). The json holds the shard names, the image suffixes,
+the class count, the scan's counts and every problem it found. Reading a split from its index gives the
+same samples, labels, sizes and order as scanning the folder it came from, so training is the same.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from utils.core.errors import UserError
+from utils.data.labels import ScanResult, img2label_paths
+
+INDEX_SUFFIX = ".index"
+INDEX_JSON = "index.json"
+INDEX_VERSION = 1
+ARRAYS = ("shard", "offset", "size", "suffix", "image_hw", "label_start", "labels", "sources")
+BLOCK = 512  # tar's block size: a member's data starts after its header and ends padded to a block
+
+
+def is_shard_index(path: Any) -> bool:
+    """Whether a split names a shard index (a ``.index`` folder, or a folder holding index.json), alone or as a
+    one-entry list (a data yaml's split)."""
+    if isinstance(path, (list, tuple)):
+        if len(path) != 1:
+            if any(is_shard_index(p) for p in path):
+                raise UserError(f"{', '.join(map(str, path))}: a split is one shard index, or image folders and "
+                                "lists, not both")
+            return False
+        path = path[0]
+    p = Path(path)
+    return p.suffix == INDEX_SUFFIX or (p / INDEX_JSON).is_file()
+
+
+def label_text(labels: np.ndarray) -> str:
+    """Label rows as text, each float the shortest decimal that reads back the same."""
+    return "".join(f"{int(r[0])} {r[1]!r} {r[2]!r} {r[3]!r} {r[4]!r}\n" for r in labels.tolist())
+
+
+class ShardWriter:
+    """Appends members to ``<out>/<split>-NNNNNN.tar`` files, starting a new shard past ``shard_bytes``."""
+
+    def __init__(self, out: Path, split: str, shard_bytes: int) -> None:
+        self.out, self.split, self.shard_bytes = out, split, shard_bytes
+        self.names: list[str] = []
+        self._tar: tarfile.TarFile | None = None
+
+    def add_sample(self, key: str, suffix: str, image: bytes, labels: str) -> tuple[int, int]:
+        """Write one sample's image and labels into the current shard; (shard number, image data offset)."""
+        if self._tar is None or self._tar.offset >= self.shard_bytes:
+            self._next()
+        offset = self._add(f"{key}{suffix}", image)
+        self._add(f"{key}.txt", labels.encode())
+        return len(self.names) - 1, offset
+
+    def _next(self) -> None:
+        self.close()
+        self.names.append(f"{self.split}-{len(self.names):06d}.tar")
+        self._tar = tarfile.open(self.out / self.names[-1], "w", format=tarfile.USTAR_FORMAT)
+
+    def _add(self, name: str, data: bytes) -> int:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), 0o644, 0  # the same bytes for the same data
+        self._tar.addfile(info, io.BytesIO(data))
+        return self._tar.offset - _padded(len(data))  # where this member's data began
+
+    def close(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._tar = None
+
+
+def _padded(n: int) -> int:
+    """Bytes a member of ``n`` data bytes takes after its header: whole blocks."""
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes: int) -> Path:
+    """The scan's usable samples as shards in ``out`` and their index ``out/<split>.index``; returns the index."""
+    writer = ShardWriter(out, split, shard_bytes)
+    suffixes = sorted({Path(f).suffix.lower() for f in result.img_files})
+    n = len(result.img_files)
+    shard, offset, size = np.zeros(n, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    suffix = np.zeros(n, np.uint8)
+    try:
+        for i, (img_file, labels) in enumerate(zip(result.img_files, result.labels)):
+            try:
+                data = Path(img_file).read_bytes()
+            except OSError as e:
+                raise UserError(f"{img_file}: cannot read image ({e.strerror or e})") from None
+            suffix[i] = suffixes.index(Path(img_file).suffix.lower())
+            shard[i], offset[i] = writer.add_sample(f"{i:09d}", suffixes[suffix[i]], data, label_text(labels))
+            size[i] = len(data)
+    finally:
+        writer.close()
+    counts = np.array([len(x) for x in result.labels], np.int64)
+    arrays = {"shard": shard, "offset": offset, "size": size, "suffix": suffix,
+              "image_hw": np.asarray(result.image_hw, np.int32).reshape(-1, 2),
+              "label_start": np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+              "labels": (np.concatenate(result.labels) if n else np.zeros((0, 5))).astype(np.float64).reshape(-1, 5),
+              "sources": np.array([s.encode() for s in result.img_files], dtype=bytes)}
+    index = out / f"{split}{INDEX_SUFFIX}"
+    index.mkdir()
+    for name in ARRAYS:
+        np.save(index / f"{name}.npy", arrays[name], allow_pickle=False)
+    meta = {"version": INDEX_VERSION, "nc": nc, "shards": writer.names, "suffixes": suffixes,
+            "counts": result.counts, "msgs": result.msgs}
+    (index / INDEX_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+    return index
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """An opened index: its arrays (memory-mapped) and where its shards are."""
+
+    root: Path
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+
+    @classmethod
+    def open(cls, path: Any, nc: int | None = None) -> ShardIndex:
+        """The index a split names (a path, or a data yaml's one-entry list); ``nc``: the classes it must have."""
+        root = Path(path[0] if isinstance(path, (list, tuple)) else path)
+        try:
+            meta = json.loads((root / INDEX_JSON).read_text())
+        except FileNotFoundError:
+            raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with python -m yolotrain "
+                            "shards)") from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"{root / INDEX_JSON}: unreadable ({e})") from None
+        if meta.get("version") != INDEX_VERSION:
+            raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
+                            "make it again with python -m yolotrain shards")
+        if nc is not None and meta.get("nc") != nc:
+            raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
+        try:
+            arrays = {k: np.load(root / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in ARRAYS}
+        except (OSError, ValueError) as e:
+            raise UserError(f"{root}: index arrays unreadable ({e}); make it again") from None
+        return cls(root, meta, arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays["shard"])
+
+    def shard_path(self, k: int) -> Path:
+        return self.root.parent / self.meta["shards"][k]
+
+    def member(self, i: int) -> str:
+        """``<shard>.tar/<key><suffix>``: where sample ``i`` lives, for messages."""
+        a = self.arrays
+        return f"{self.shard_path(int(a['shard'][i]))}/{i:09d}{self.meta['suffixes'][int(a['suffix'][i])]}"
+
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s image bytes, by its byte range in the shard."""
+        a = self.arrays
+        path, start, n = self.shard_path(int(a["shard"][i])), int(a["offset"][i]), int(a["size"][i])
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(n)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read shard ({e.strerror or e})") from None
+        if len(data) != n:
+            raise UserError(f"{self.member(i)}: the shard ends {n - len(data)} bytes early (truncated)")
+        return data
+
+    def scan_result(self) -> ScanResult:
+        """What a scan of the source folder gave, read back from the index."""
+        a, n = self.arrays, len(self)
+        sources = [s.decode() for s in a["sources"].tolist()]
+        starts = np.asarray(a["label_start"])
+        labels = np.asarray(a["labels"])
+        return ScanResult(img_files=sources, label_files=img2label_paths(sources),
+                          labels=[labels[starts[i]:starts[i + 1]] for i in range(n)],
+                          image_hw=np.asarray(a["image_hw"]), msgs=list(self.meta.get("msgs", [])),
+                          counts=dict(self.meta.get("counts", {})))
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Put a finished ``tmp`` folder at ``out`` in one rename (an empty ``out`` is replaced)."""
+    if out.exists():
+        out.rmdir()  # only ever an empty folder here: the caller refused a non-empty one
+    os.replace(tmp, out)
+
+
+def discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
