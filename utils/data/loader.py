@@ -10,7 +10,7 @@ import math
 import os
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import cv2
 import numpy as np
@@ -164,6 +164,28 @@ def pins_by_default() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def _dataset_once(info: DistInfo, cache_dir: Path | None,
+                  build: Callable[[], LoadImagesAndLabels]) -> LoadImagesAndLabels:
+    """``build()`` on every rank, the split scanned once per job: global rank 0 first (on a shared filesystem its
+    label cache then serves every node), then each node's local rank 0 (a cache hit, or its own scan where the
+    nodes do not share the folder), then the rest. With a --cache-dir (node-local disk) each node's local rank 0
+    goes first, in one stage. A UserError comes from the files, so every rank reaches it and names it itself."""
+    stages = [info.local_rank]
+    if cache_dir is None and info.world_size > info.local_world_size:
+        stages.insert(0, info.rank)
+    dataset, error = None, None
+    for k, first in enumerate(stages):
+        with torch_distributed_zero_first(first):
+            if dataset is None and error is None and (first == 0 or k == len(stages) - 1):
+                try:
+                    dataset = build()
+                except UserError as e:
+                    error = e
+    if error is not None:
+        raise error
+    return dataset
+
+
 def _files_to_cache(dataset: LoadImagesAndLabels, cache: str, path: Any) -> None:
     """--cache builds from the image files; a shard index has none to read."""
     if dataset.shards is not None:
@@ -199,17 +221,10 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     # shard's per-rank batches are aligned to it, so each image is letterboxed to the same shape whatever
     # the world size.
     dataset_bs = batch_size * info.world_size if rect else batch_size
-    error: UserError | None = None
-    with torch_distributed_zero_first(info.local_rank):
-        try:
-            dataset = LoadImagesAndLabels(path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect,
-                                          stride=stride, pad=pad, single_cls=single_cls, nc=nc, seed=seed,
-                                          cache_dir=cache_dir, prefix=prefix, verbose=info.rank == 0,
-                                          role="train" if training else "val", report_dir=report_dir)
-        except UserError as e:  # the verdict comes from the files (and the scan cache local rank 0 wrote), so
-            error = e           # every rank reaches it and names the problem itself, not "rank 0 failed"
-    if error is not None:
-        raise error
+    dataset = _dataset_once(info, cache_dir, lambda: LoadImagesAndLabels(
+        path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect, stride=stride, pad=pad, single_cls=single_cls,
+        nc=nc, seed=seed, cache_dir=cache_dir, prefix=prefix, verbose=info.rank == 0,
+        role="train" if training else "val", report_dir=report_dir))
     batch_size = min(batch_size, len(dataset))
     ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
