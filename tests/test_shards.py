@@ -3,6 +3,7 @@ how bad input is reported, that the folder is written whole, and that training f
 folder."""
 from __future__ import annotations
 
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -113,7 +114,7 @@ def test_a_split_reads_its_index_and_refuses_what_it_cannot_do(tmp_path, restore
 @pytest.mark.slow
 def test_training_from_shards_is_training_from_the_folder(tiny_data, tmp_path, restore_logger):
     out = _make(tiny_data, tmp_path / "shards")
-    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "2", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
+    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
              "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
     for name, data in (("folder", tiny_data), ("shards", out / "data.yaml")):
         p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=run_env(),
@@ -137,3 +138,15 @@ def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return {k: v for i, sub in enumerate(tree) for k, v in _tensors(sub, f"{prefix}/{i}").items()}
     return {}
+
+
+def test_a_bad_shard_read_by_a_loader_worker_is_still_one_line(tmp_path, restore_logger):
+    """torch rebuilds a worker's exception around its traceback; the UserError still reads as its own message."""
+    out = _make(_folder(tmp_path / "src", 3), tmp_path / "out", "--nc", "1")
+    tar, cut = out / "train-000000.tar", int(ShardIndex.open(out / "train.index").arrays["offset"][1]) + 10
+    tar.write_bytes(tar.read_bytes()[:cut])
+    loader = create_dataloader(out / "train.index", 64, 3, 32, nc=1, workers=1)
+    with pytest.raises(UserError) as e:
+        next(iter(loader))
+    assert re.fullmatch(rf"{re.escape(str(tar))}/000000001.png: the shard ends \d+ bytes early \(truncated\)",
+                        str(e.value)), str(e.value)

@@ -18,6 +18,15 @@ from utils.core.logging import LOGGER
 class UserError(Exception):
     """Bad input from the user: the message must name the file or flag and the problem."""
 
+    def __str__(self) -> str:
+        """The message itself, also when a DataLoader worker raised it: torch hands it back to the main process
+        rebuilt around the worker's traceback, whose last line is the original message."""
+        text = super().__str__()
+        if text.startswith("Caught UserError in DataLoader worker"):
+            last = text.rstrip().splitlines()[-1]
+            return last.split("UserError: ", 1)[-1]
+        return text
+
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "temporary failure, retry" -- requeue and --resume auto
 EXIT_HUNG = 124  # timeout(1)'s code: a rank made no progress for --hang-timeout minutes (utils/core/watchdog.py)

@@ -17,7 +17,8 @@ from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
 from utils.data.images import IMG_SUFFIXES
-from utils.data.shards import is_shard_index
+from utils.data import remote
+from utils.data.shards import ShardIndex, is_shard_index
 
 
 @dataclass
@@ -58,13 +59,17 @@ def _names_list(file: Path, names: Any) -> list[str]:
     raise UserError(f"{file}: 'names' must be a list or a {{index: name}} mapping")
 
 
-def _split_paths(file: Path, root: Path, key: str, value: Any) -> list[str]:
+def _split_paths(file: Path, root: Path | str, key: str, value: Any) -> list[str]:
+    """A split's paths, each absolute: a URL as written, a relative one joined to the root (a folder or URL)."""
     if value is None:
         return []
     items = value if isinstance(value, list) else [value]
     if not all(isinstance(v, str) for v in items):
         raise UserError(f"{file}: '{key}' must be a path or a list of paths")
-    return [str(p if (p := Path(v).expanduser()).is_absolute() else root / p) for v in items]
+    if remote.is_url(root):
+        return [v if remote.is_url(v) else remote.join(str(root), v) for v in items]
+    return [v if remote.is_url(v) else str(p if (p := Path(v).expanduser()).is_absolute() else root / p)
+            for v in items]
 
 
 def _category_ids(file: Path, ids: Any, nc: int) -> list[int] | None:
@@ -106,8 +111,10 @@ def load_data_config(path: str | Path) -> DataConfig:
         if key not in raw:
             raise UserError(f"{file}: missing required key '{key}'")
     path_text = None if raw.get("path") in (None, "") else str(raw["path"])
-    root = Path(path_text or ".").expanduser()
+    base: Path | str = path_text if remote.is_url(path_text) else None  # path: s3://bucket/dataset
+    root = Path("." if base else path_text or ".").expanduser()
     root = (root if root.is_absolute() else file.resolve().parent / root).resolve()
+    base = base or root
     names = _names_list(file, raw["names"])
     if not names:
         raise UserError(f"{file}: 'names' is empty")
@@ -119,9 +126,9 @@ def load_data_config(path: str | Path) -> DataConfig:
     cfg = DataConfig(
         file=file,
         root=root,
-        train=_split_paths(file, root, "train", raw["train"]),
-        val=_split_paths(file, root, "val", raw["val"]),
-        test=_split_paths(file, root, "test", raw.get("test")),
+        train=_split_paths(file, base, "train", raw["train"]),
+        val=_split_paths(file, base, "val", raw["val"]),
+        test=_split_paths(file, base, "test", raw.get("test")),
         names=names,
         generate=raw.get("generate"),
         generate_args=dict(raw.get("generate_args") or {}),
@@ -152,6 +159,12 @@ def prepare_dataset(cfg: DataConfig) -> None:
         generator(cfg.root, **cfg.generate_args)
     for key in ("train", "val", "test"):
         for p in getattr(cfg, key):
+            if remote.is_url(p):  # object storage holds shard indexes; opening one names a missing bucket or key
+                if not is_shard_index(p):
+                    raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
+                                    "(<split>.index, made by python -m yolotrain shards)")
+                ShardIndex.open(p)
+                continue
             if not Path(p).exists():
                 raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
             if not _has_images(Path(p)):

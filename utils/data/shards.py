@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from utils.core.errors import UserError
+from utils.data import remote
 from utils.data.labels import ScanResult, img2label_paths
 
 INDEX_SUFFIX = ".index"
@@ -44,6 +45,8 @@ def is_shard_index(path: Any) -> bool:
                                 "lists, not both")
             return False
         path = path[0]
+    if remote.is_url(path):
+        return str(path).rstrip("/").endswith(INDEX_SUFFIX)
     p = Path(path)
     return p.suffix == INDEX_SUFFIX or (p / INDEX_JSON).is_file()
 
@@ -127,30 +130,26 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """An opened index: its arrays (memory-mapped) and where its shards are."""
+    """An opened index: its arrays (memory-mapped from a local folder, read whole from object storage) and
+    where its shards are (a local folder or a URL, utils/data/remote.py)."""
 
-    root: Path
+    root: str
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
 
     @classmethod
     def open(cls, path: Any, nc: int | None = None) -> ShardIndex:
-        """The index a split names (a path, or a data yaml's one-entry list); ``nc``: the classes it must have."""
-        root = Path(path[0] if isinstance(path, (list, tuple)) else path)
-        try:
-            meta = json.loads((root / INDEX_JSON).read_text())
-        except FileNotFoundError:
-            raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with python -m yolotrain "
-                            "shards)") from None
-        except (OSError, ValueError) as e:
-            raise UserError(f"{root / INDEX_JSON}: unreadable ({e})") from None
+        """The index a split names (a path or URL, or a data yaml's one-entry list); ``nc``: the classes it must
+        have. A missing index, bucket or credentials fail here, before any training."""
+        root = str(path[0] if isinstance(path, (list, tuple)) else path).rstrip("/")
+        meta = _index_meta(root)
         if meta.get("version") != INDEX_VERSION:
             raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
                             "make it again with python -m yolotrain shards")
         if nc is not None and meta.get("nc") != nc:
             raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
         try:
-            arrays = {k: np.load(root / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in ARRAYS}
+            arrays = {k: _load_array(root, k) for k in ARRAYS}
         except (OSError, ValueError) as e:
             raise UserError(f"{root}: index arrays unreadable ({e}); make it again") from None
         return cls(root, meta, arrays)
@@ -158,8 +157,10 @@ class ShardIndex:
     def __len__(self) -> int:
         return len(self.arrays["shard"])
 
-    def shard_path(self, k: int) -> Path:
-        return self.root.parent / self.meta["shards"][k]
+    def shard_path(self, k: int) -> str:
+        name = self.meta["shards"][k]
+        return remote.join(remote.parent(self.root), name) if remote.is_url(self.root) else str(
+            Path(self.root).parent / name)
 
     def member(self, i: int) -> str:
         """``<shard>.tar/<key><suffix>``: where sample ``i`` lives, for messages."""
@@ -170,12 +171,15 @@ class ShardIndex:
         """Sample ``i``'s image bytes, by its byte range in the shard."""
         a = self.arrays
         path, start, n = self.shard_path(int(a["shard"][i])), int(a["offset"][i]), int(a["size"][i])
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(n)
-        except OSError as e:
-            raise UserError(f"{path}: cannot read shard ({e.strerror or e})") from None
+        if remote.is_url(path):
+            data = remote.read(path, start, start + n)
+        else:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    data = f.read(n)
+            except OSError as e:
+                raise UserError(f"{path}: cannot read shard ({e.strerror or e})") from None
         if len(data) != n:
             raise UserError(f"{self.member(i)}: the shard ends {n - len(data)} bytes early (truncated)")
         return data
@@ -190,6 +194,25 @@ class ShardIndex:
                           labels=[labels[starts[i]:starts[i + 1]] for i in range(n)],
                           image_hw=np.asarray(a["image_hw"]), msgs=list(self.meta.get("msgs", [])),
                           counts=dict(self.meta.get("counts", {})))
+
+
+def _index_meta(root: str) -> dict[str, Any]:
+    where = remote.join(root, INDEX_JSON) if remote.is_url(root) else str(Path(root) / INDEX_JSON)
+    try:
+        text = remote.read(where).decode() if remote.is_url(root) else Path(where).read_text()
+        return json.loads(text)
+    except FileNotFoundError:
+        raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with python -m yolotrain shards)"
+                        ) from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: unreadable ({e})") from None
+
+
+def _load_array(root: str, name: str) -> np.ndarray:
+    """A local index's array memory-mapped; a remote one's read whole (they are small beside the shards)."""
+    if remote.is_url(root):
+        return np.load(io.BytesIO(remote.read(remote.join(root, f"{name}.npy"))), allow_pickle=False)
+    return np.load(Path(root) / f"{name}.npy", mmap_mode="r", allow_pickle=False)
 
 
 def replace_folder(tmp: Path, out: Path) -> None:

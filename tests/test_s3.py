@@ -1,0 +1,132 @@
+"""Training from S3-compatible object storage (utils/data/remote.py): shards and an index in a bucket of a real
+S3 server (moto's, started here on 127.0.0.1), read through fsspec/s3fs as on a cloud GPU node."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PYTHON, ROOT, run_env
+from utils.core.errors import UserError
+from utils.data import remote
+from utils.data.shards import ShardIndex
+from yolotrain.app import shards
+
+s3fs = pytest.importorskip("s3fs", reason="pip install -r requirements-s3.txt")
+pytest.importorskip("moto.server", reason="moto[server] runs the S3 server these tests talk to")
+pytest.importorskip("flask", reason="moto[server] runs the S3 server these tests talk to")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """moto's S3 server on 127.0.0.1, and the environment a client needs to reach it."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
+                    "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("moto's S3 server did not start")
+
+    def fs(self):
+        return s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": self.env["AWS_ENDPOINT_URL"]},
+                                 skip_instance_cache=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(monkeypatch):
+    s = Server()
+    for k, v in s.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HOME", str(Path(os.environ.get("TMPDIR", "/tmp"))))  # no ~/.aws of the machine's
+    yield s
+    s.stop()
+
+
+def _upload(server: Server, src: Path, bucket: str, prefix: str) -> str:
+    fs = server.fs()
+    fs.mkdir(bucket)
+    fs.put(str(src) + "/", f"{bucket}/{prefix}/", recursive=True)
+    return f"s3://{bucket}/{prefix}"
+
+
+def test_an_index_in_a_bucket_reads_as_the_local_one(server, tiny_data, tmp_path, restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url = _upload(server, out, "data", "tiny")
+    local, there = ShardIndex.open(out / "train.index"), ShardIndex.open(f"{url}/train.index", nc=6)
+    assert len(there) == len(local) and there.meta == local.meta
+    assert all(there.read(i) == local.read(i) for i in range(len(local)))
+    assert there.member(3) == f"{url}/train-000000.tar/000000003.jpg"
+    with pytest.raises(UserError, match=rf"s3://nobucket/x/train.index/index.json: no such object at "
+                                        rf"http://127.0.0.1:{server.port}"):
+        ShardIndex.open("s3://nobucket/x/train.index")
+
+
+def test_missing_credentials_fail_at_the_start(server, monkeypatch):
+    server.fs().mkdir("empty")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    with pytest.raises(UserError, match="check the credentials"):
+        remote.read("s3://empty/train.index/index.json")
+
+
+def test_a_store_gone_stops_with_the_object_and_the_endpoint(server, tiny_data, tmp_path, monkeypatch, capsys,
+                                                             restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    index = ShardIndex.open(f"{_upload(server, out, 'data', 'tiny')}/val.index")
+    server.stop()  # gone mid-run
+    monkeypatch.setenv(remote.PATIENCE_ENV, "2")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=rf"s3://data/tiny/val-000000.tar: the store at http://127.0.0.1:"
+                                        rf"{server.port} failed for 2 s"):
+        index.read(0)
+    assert 1.0 < time.monotonic() - started < 60  # retried with backoff until the patience ran out
+    assert capsys.readouterr().out.count("retrying with backoff") == 1  # logged once
+
+
+@pytest.mark.slow
+def test_training_from_a_bucket_is_training_from_the_folder(server, tiny_data, tmp_path, restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url = _upload(server, out, "data", "tiny")
+    yaml = tmp_path / "s3.yaml"
+    yaml.write_text(f"path: {url}\ntrain: train.index\nval: val.index\n"
+                    "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
+    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
+             "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
+    env = {**run_env(), **server.env, "HOME": os.environ["HOME"]}
+    for name, data in (("folder", tiny_data), ("s3", yaml)):
+        p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"Scanning {url}/train.index" in p.stdout and "(from the shard index)" in p.stdout
+    a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "s3"))
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    assert a["metrics"] == b["metrics"]

@@ -1,0 +1,104 @@
+"""Reading shards and indexes from object storage: ``s3://`` (and any other fsspec URL: ``gs://``, ``file://``).
+
+fsspec is the one layer: s3fs for S3-compatible stores (AWS, MinIO, Ceph, R2...), gcsfs for ``gs://``, its own
+``file://``; each is optional (requirements-s3.txt), and a missing one is named in one line. Credentials come
+from the usual environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``...), the endpoint of
+an S3-compatible server from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``.
+
+A read that fails for a transient reason (a dropped connection, a 5xx, a timeout) is retried with
+exponential backoff and logged once per object; a store still failing after ``YOLOTRAIN_STORAGE_PATIENCE``
+seconds (default 300) is a UserError naming the object and the endpoint, on the rank that read it. A
+missing object or bucket and refused credentials are not retried.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+from typing import Any
+
+from utils.core.errors import UserError
+from utils.core.logging import LOGGER
+
+try:  # optional (requirements-s3.txt): only URLs need it
+    import fsspec.core
+except ModuleNotFoundError:
+    fsspec = None
+
+PATIENCE_ENV = "YOLOTRAIN_STORAGE_PATIENCE"
+DEFAULT_PATIENCE_S = 300.0
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+
+
+def is_url(path: Any) -> bool:
+    """A ``scheme://`` location (object storage or fsspec's ``file://``), not a local path."""
+    return isinstance(path, str) and "://" in path
+
+
+def join(url: str, *parts: str) -> str:
+    """``url``/``parts``, keeping the scheme's ``//``."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{posixpath.join(rest, *parts)}"
+
+
+def parent(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{posixpath.dirname(rest.rstrip('/'))}"
+
+
+def endpoint(url: str) -> str:
+    """Where a URL is read from, for messages."""
+    if url.startswith(("s3://", "s3a://")):
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+    return url.split("://", 1)[0]
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    scheme = url.split("://", 1)[0]
+    if fsspec is None:
+        raise UserError(f"{url}: reading {scheme}:// needs the 'fsspec' package: pip install -r requirements-s3.txt")
+    options: dict[str, Any] = {}
+    if scheme in ("s3", "s3a") and endpoint(url) != "AWS S3":
+        options["client_kwargs"] = {"endpoint_url": endpoint(url)}
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        package = PACKAGES.get(scheme, f"the fsspec backend for {scheme}://")
+        raise UserError(f"{url}: reading {scheme}:// needs the '{package}' package: pip install -r "
+                        "requirements-s3.txt") from None
+    except ValueError as e:
+        raise UserError(f"{url}: {e}") from None
+
+
+def read(url: str, start: int | None = None, end: int | None = None) -> bytes:
+    """The object's bytes (``start``:``end`` when given), retried with backoff while the store is failing."""
+    fs, path = _filesystem(url)
+    patience = float(os.environ.get(PATIENCE_ENV, DEFAULT_PATIENCE_S))
+    deadline, delay, told = time.monotonic() + patience, 0.5, False
+    while True:
+        try:
+            return fs.cat_file(path, start=start, end=end)
+        except FileNotFoundError:
+            raise UserError(f"{url}: no such object at {endpoint(url)} (a missing bucket or key)") from None
+        except PermissionError as e:
+            raise UserError(f"{url}: access denied at {endpoint(url)} ({e}); check the credentials "
+                            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
+        except Exception as e:  # connection, timeout, 5xx: each backend raises its own types
+            if _is_refusal(e):
+                raise UserError(f"{url}: {endpoint(url)} refused the request ({e}); check the credentials") from None
+            if not told:
+                LOGGER.warning(f"WARNING: {url}: {type(e).__name__}: {e}; retrying with backoff for up to "
+                               f"{patience:g} s")
+                told = True
+            if time.monotonic() + delay > deadline:
+                raise UserError(f"{url}: the store at {endpoint(url)} failed for {patience:g} s "
+                                f"({PATIENCE_ENV}): {type(e).__name__}: {e}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+
+def _is_refusal(e: Exception) -> bool:
+    """Credentials the store rejects: retrying cannot help."""
+    text = f"{type(e).__name__} {e}"
+    return any(s in text for s in ("NoCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                   "Unable to locate credentials"))
