@@ -27,7 +27,7 @@ def main(args: argparse.Namespace) -> None:
     model = YOLO("yolov8n.yaml")
     model.add_callback("on_fit_epoch_end",
                        lambda e: print(f"[callback] epoch {e.epoch + 1}/{e.epochs}: "
-                                       f"mAP50-95 {e.metrics['metrics/mAP_0.5:0.95']:.4f}"))
+                                       f"mAP50-95 {e.metrics.get('map', 0):.4f}"))
 
     # 2. train in this process; the model then holds best.pt
     run = model.train(name="one-process", device=args.device, **common)

@@ -77,7 +77,8 @@ def test_callbacks_hear_the_run_in_order_and_a_failing_one_stops_it(tiny_data, t
     assert set(batches[-1].losses) == {"box", "cls", "dfl"} and batches[-1].stepped
     fit = [e for e in heard if e.event == "on_fit_epoch_end"]
     header = (run.save_dir / "results.csv").read_text().splitlines()[0].split(",")[1:]
-    assert all(list(e.metrics) == header for e in fit)
+    assert all(list(e.row) == header for e in fit)
+    assert all(set(e.metrics) == {"mp", "mr", "map50", "map", "fitness"} for e in fit)  # ValResult's names
     saved = {e.path.name for e in heard if e.event == "on_model_save"}
     assert {"last.pt", "best.pt"} <= saved
     assert [e.event for e in heard if e.event == "on_val_end"] == ["on_val_end"] * 2

@@ -241,7 +241,7 @@ def test_replay_reports_the_saved_epochs_and_may_prune(tmp_path):
     assert replay(heard.append, saved, tmp_path / "results.csv") == 2
     assert [e.epoch for e in heard] == [0, 1] and [e.is_best for e in heard] == [True, True]
     assert [e.fitness for e in heard] == pytest.approx([0.055, 0.11])
-    assert heard[1].metrics == {"metrics/mAP_0.5": 0.2, "metrics/mAP_0.5:0.95": 0.1, "train/box_loss": 1.5}
+    assert heard[1].row == {"metrics/mAP_0.5": 0.2, "metrics/mAP_0.5:0.95": 0.1, "train/box_loss": 1.5}
     assert replay(heard.append, SimpleNamespace(epochs_done=2, args={"noval": True}), tmp_path / "results.csv") == 2
     assert [e.fitness for e in heard[2:]] == [None, None]  # not validated: nothing for the pruner
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.MedianPruner(n_startup_trials=1))

@@ -30,7 +30,9 @@ class TrainEvent:
     stepped: bool = False  # on_train_batch_end: an optimizer step followed this batch
     losses: dict[str, float] = field(default_factory=dict)  # the epoch's running mean loss terms
     lr: list[float] = field(default_factory=list)  # per parameter group
-    metrics: dict[str, float] = field(default_factory=dict)  # on_fit_epoch_end, on_train_end: results.csv's row
+    metrics: dict[str, float] = field(default_factory=dict)  # mp, mr, map50, map, fitness (ValResult's names):
+    # on_fit_epoch_end the epoch's validation ({} when it was not validated), on_train_end best.pt's
+    row: dict[str, float] = field(default_factory=dict)  # on_fit_epoch_end: results.csv's row, by its column names
     fitness: float | None = None
     is_best: bool = False
     path: Path | None = None  # on_model_save: the file written; on_train_end: best.pt

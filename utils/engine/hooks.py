@@ -14,7 +14,7 @@ from utils.core.dist import DistInfo
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
 from utils.core.runs import ResultsCSV
-from utils.engine.events import RunEvents
+from utils.engine.events import RunEvents, metric_summary
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
 from utils.engine.track import Tracker, attach_trackers, close_trackers
@@ -198,7 +198,8 @@ class EpochEnd:
         state.best_fitness = max(state.best_fitness, fitness)
         row = self._log(mloss, lrs, result) if t.info.is_main else {}
         self.checkpointer.save_epoch(t, is_best)
-        self.events.emit("on_fit_epoch_end", metrics=row, fitness=fitness if result else None, is_best=is_best,
+        self.events.emit("on_fit_epoch_end", row=row, metrics=metric_summary(result) if result else {},
+                         fitness=fitness if result else None, is_best=is_best,
                          lr=lrs, losses=dict(zip(t.criterion.loss_names, mloss.tolist())))
         return dist.broadcast_object(EpochVerdict(early=early, asked=self.events.stop.asked))
 

@@ -72,7 +72,7 @@ class MLflowTracker(Tracker):
 
     def on_fit_epoch_end(self, e) -> None:
         self.sender.put({"op": "metrics", "step": e.epoch, "time_ms": int(time.time() * 1000),
-                         "metrics": {metric_name(k): float(v) for k, v in e.metrics.items()}})
+                         "metrics": {metric_name(k): float(v) for k, v in e.row.items()}})
 
     def on_train_end(self, e) -> None:
         d = self.t.save_dir

@@ -38,7 +38,7 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(f"train_step/lr{j}", lr, e.iteration)
 
     def on_fit_epoch_end(self, e) -> None:
-        for k, v in e.metrics.items():
+        for k, v in e.row.items():
             self.writer.add_scalar(metric_name(k), v, e.epoch)
         for name in TRAIN_PICTURES:
             if name not in self.pictures_logged and self._picture(name, 0):

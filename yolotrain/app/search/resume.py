@@ -63,7 +63,7 @@ def replay(report: Callable[[Any], None], saved: SavedRun, results: Path) -> int
         fitness = None if saved.args.get("noval") else 0.1 * row[map50] + 0.9 * row[map50_95]
         is_best = fitness is not None and fitness >= best
         best = max(best, fitness or 0.0)
-        report(SimpleNamespace(epoch=epoch, fitness=fitness, is_best=is_best, metrics=row, request_stop=asked.append))
+        report(SimpleNamespace(epoch=epoch, fitness=fitness, is_best=is_best, row=row, request_stop=asked.append))
         if asked:
             return n
     return len(rows)

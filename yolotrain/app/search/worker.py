@@ -185,7 +185,7 @@ class Reporter:
         if event.fitness is None or self.pruned is not None:
             return
         if event.is_best:
-            self.trial.set_user_attr("metrics", {k: float(v) for k, v in event.metrics.items()})
+            self.trial.set_user_attr("metrics", {k: float(v) for k, v in event.row.items()})  # evolve.csv's columns
         self.value = max(self.value, float(event.fitness))
         self.trial.report(float(event.fitness), event.epoch)
         if self.trial.should_prune():
