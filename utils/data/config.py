@@ -18,7 +18,7 @@ from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
 from utils.data.images import IMG_SUFFIXES
 from utils.data import remote
-from utils.data.shards import ShardIndex, is_shard_index
+from utils.data.shards import index_meta, is_shard_index
 
 
 @dataclass
@@ -111,10 +111,10 @@ def load_data_config(path: str | Path) -> DataConfig:
         if key not in raw:
             raise UserError(f"{file}: missing required key '{key}'")
     path_text = None if raw.get("path") in (None, "") else str(raw["path"])
-    base: Path | str = path_text if remote.is_url(path_text) else None  # path: s3://bucket/dataset
-    root = Path("." if base else path_text or ".").expanduser()
+    url_root = remote.is_url(path_text)  # path: s3://bucket/dataset: the splits are under that URL
+    root = Path(path_text if path_text and not url_root else ".").expanduser()
     root = (root if root.is_absolute() else file.resolve().parent / root).resolve()
-    base = base or root
+    base: Path | str = path_text if url_root else root
     names = _names_list(file, raw["names"])
     if not names:
         raise UserError(f"{file}: 'names' is empty")
@@ -159,11 +159,11 @@ def prepare_dataset(cfg: DataConfig) -> None:
         generator(cfg.root, **cfg.generate_args)
     for key in ("train", "val", "test"):
         for p in getattr(cfg, key):
-            if remote.is_url(p):  # object storage holds shard indexes; opening one names a missing bucket or key
+            if remote.is_url(p):  # object storage holds shard indexes; its json names a missing bucket or key
                 if not is_shard_index(p):
                     raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
                                     "(<split>.index, made by python -m yolotrain shards)")
-                ShardIndex.open(p)
+                index_meta(p)  # the arrays are read once, by the dataset
                 continue
             if not Path(p).exists():
                 raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")

@@ -68,9 +68,10 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.path, self.img_size, self.augment = path, img_size, augment
         self.hyp = hyp if hyp is not None else Hyp()
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
-        self.shards = ShardIndex.open(path, nc) if is_shard_index(path) else None  # its index replaces the scan
+        self.shards: ShardIndex | None = None  # a shard index replaces the scan (utils/data/shards.py)
         with watchdog.phase("scan", f"{prefix}{describe_source(path)}"):  # the scan beats per file
-            if self.shards is not None:
+            if is_shard_index(path):
+                self.shards = ShardIndex.open(path, nc)  # a remote one's arrays are read here: this phase's wait
                 result, self.cache_hit = self.shards.scan_result(), True
             else:
                 img_files = resolve_image_files(path)

@@ -46,10 +46,17 @@ def parent(url: str) -> str:
     return f"{scheme}://{posixpath.dirname(rest.rstrip('/'))}"
 
 
+def _s3_endpoint(url: str) -> str | None:
+    """An S3-compatible server's address for an s3:// URL, from the environment (None: AWS itself)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
 def endpoint(url: str) -> str:
     """Where a URL is read from, for messages."""
     if url.startswith(("s3://", "s3a://")):
-        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        return _s3_endpoint(url) or "AWS S3"
     return url.split("://", 1)[0]
 
 
@@ -57,9 +64,8 @@ def _filesystem(url: str) -> tuple[Any, str]:
     scheme = url.split("://", 1)[0]
     if fsspec is None:
         raise UserError(f"{url}: reading {scheme}:// needs the 'fsspec' package: pip install -r requirements-s3.txt")
-    options: dict[str, Any] = {}
-    if scheme in ("s3", "s3a") and endpoint(url) != "AWS S3":
-        options["client_kwargs"] = {"endpoint_url": endpoint(url)}
+    server = _s3_endpoint(url)
+    options: dict[str, Any] = {"client_kwargs": {"endpoint_url": server}} if server else {}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError:

@@ -142,10 +142,7 @@ class ShardIndex:
         """The index a split names (a path or URL, or a data yaml's one-entry list); ``nc``: the classes it must
         have. A missing index, bucket or credentials fail here, before any training."""
         root = str(path[0] if isinstance(path, (list, tuple)) else path).rstrip("/")
-        meta = _index_meta(root)
-        if meta.get("version") != INDEX_VERSION:
-            raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
-                            "make it again with python -m yolotrain shards")
+        meta = index_meta(root)
         if nc is not None and meta.get("nc") != nc:
             raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
         try:
@@ -196,16 +193,23 @@ class ShardIndex:
                           counts=dict(self.meta.get("counts", {})))
 
 
-def _index_meta(root: str) -> dict[str, Any]:
+def index_meta(path: str | Path) -> dict[str, Any]:
+    """An index's json (shard names, class count, the scan's counts and problems), checked for this version: the
+    one small read that tells a missing index, bucket or credentials at start."""
+    root = str(path).rstrip("/")
     where = remote.join(root, INDEX_JSON) if remote.is_url(root) else str(Path(root) / INDEX_JSON)
     try:
         text = remote.read(where).decode() if remote.is_url(root) else Path(where).read_text()
-        return json.loads(text)
+        meta = json.loads(text)
     except FileNotFoundError:
         raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with python -m yolotrain shards)"
                         ) from None
     except (OSError, ValueError) as e:
         raise UserError(f"{where}: unreadable ({e})") from None
+    if meta.get("version") != INDEX_VERSION:
+        raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
+                        "make it again with python -m yolotrain shards")
+    return meta
 
 
 def _load_array(root: str, name: str) -> np.ndarray:

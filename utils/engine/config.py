@@ -164,15 +164,15 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
     utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
-    hyp = args.hyp if saved or args.hyp else str(resume.fresh_model().recipe.hyp)  # the family's loss-gain scale
+    model = None if saved else resume.fresh_model()
+    hyp = args.hyp if saved or args.hyp else str(model.recipe.hyp)  # the family's loss-gain scale
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = precision.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
     channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
     batch = args.batch_size
     if batch == AUTO_BATCH:
-        model = saved.model_yaml if saved else resume.fresh_model().cfg
-        batch = auto_batch_size(model, _classes(args), load_hyp(hyp), args, device, info.world_size, amp,
-                                channels_last)
+        batch = auto_batch_size(saved.model_yaml if saved else model.cfg, _classes(args), load_hyp(hyp), args,
+                                device, info.world_size, amp, channels_last)
     val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
     dist.per_rank_batch(val_batch, info, "--val-batch-size")
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
