@@ -14,7 +14,7 @@ import torch
 from data.shapes import generate_shapes
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
-from utils.data.augment import box_candidates, mixup, random_perspective
+from utils.data.augment import box_candidates, mixup, random_perspective, resized_hw, resized_hw_all
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import img2label_paths
 from utils.data.loader import create_dataloader
@@ -245,3 +245,10 @@ def test_world_size_does_not_change_samples(shapes_train):
     ranks = [samples(_epoch(_loader(shapes_train, 0, r, 2), 2)) for r in (0, 1)]
     assert not set(ranks[0]) & set(ranks[1])
     assert {**ranks[0], **ranks[1]} == single and len(single) == 12
+
+
+def test_resized_sizes_of_a_whole_split_match_one_image_at_a_time():
+    rng = np.random.default_rng(0)
+    hw = np.concatenate([rng.integers(1, 5000, (5000, 2)), [[640, 640], [640, 17], [1, 640], [641, 1]]])
+    for size in (33, 320, 640):
+        assert resized_hw_all(hw, size).tolist() == [list(resized_hw(int(h), int(w), size)) for h, w in hw]

@@ -33,8 +33,8 @@ import pytest
 from tests.conftest import ROOT, run_env
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
-COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "infer_speed",
-           "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "train_speed",
+COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
+           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
@@ -140,6 +140,19 @@ def test_scan_speed_scans_then_hits_the_label_cache(tmp_path):
     assert _finite(m[1], m[2])[1] > 0  # the seconds print as 0.00 for 8 images
     _finite(_line(out, rf"cache load:\s+({NUM}) s \(({NUM}) images/s\)")[1])
     _finite(_line(out, rf"ratio scan / cache:\s+({NUM})x")[1])  # the script itself asserts the second load hit
+
+
+# ---------------------------------------------------------------------------------------------- index_scale
+
+
+@pytest.mark.slow
+def test_index_scale_opens_a_synthetic_index_in_a_two_node_job(tmp_path):
+    out = _bench("index_scale", "--images", 300, "--boxes", 2000, "--root", tmp_path, "--imgsz", 64).stdout
+    assert "index: 300 images, 2,000 boxes" in out
+    ranks = [_line(out, rf"\s+{r}\s+{r // 2}\s+({NUM})\s+({NUM})\s+({NUM})\s+(\d+)\s+(\d+)\s+(\d+)") for r in range(4)]
+    assert all(int(m[4]) > 0 and int(m[5]) > 0 for m in ranks)  # RSS and PSS of each of the four ranks
+    _finite(_line(out, rf"slowest rank to its first sample key: ({NUM}) s")[1])
+    _line(out, rf"index mappings, PSS of all four ranks together: ({NUM}) MiB")
 
 
 # ---------------------------------------------------------------------------------------------- metrics_speed

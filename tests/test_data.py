@@ -295,7 +295,7 @@ def test_cache_reuse_and_invalidation(copy_root, logs):
     os.utime(label, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     third = LoadImagesAndLabels(train, img_size=320, nc=6)
     assert not third.cache_hit
-    k = third.label_files.index(str(label))
+    k = img2label_paths(third.im_files).index(str(label))
     assert third.labels[k][0, 0] == float(new[0])
     assert LoadImagesAndLabels(train, img_size=320, nc=6).cache_hit
     assert not LoadImagesAndLabels(train, img_size=320, nc=7).cache_hit  # class count is in the hash
@@ -361,8 +361,8 @@ def test_bad_label_rows_reported(copy_root, logs):
     # only the bad rows are dropped (lbl[0] keeps its good row); only the unreadable image is skipped
     assert data.counts["corrupt"] == 1 and data.counts["missing"] == 1 and len(data) == 23
     assert data.counts["dropped"] == 3 and data.counts["duplicates"] == 1
-    assert len(data.labels[data.label_files.index(str(lbl[0]))]) == 1
-    assert len(data.labels[data.label_files.index(str(lbl[3]))]) == 1
+    assert len(data.labels[img2label_paths(data.im_files).index(str(lbl[0]))]) == 1
+    assert len(data.labels[img2label_paths(data.im_files).index(str(lbl[3]))]) == 1
     assert "1 corrupt" in text
 
 

@@ -17,7 +17,7 @@ from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.data.config import load_data_config
 from utils.data.dataset import LoadImagesAndLabels
-from utils.data.labels import img2label_paths, resolve_image_files, scan_labels
+from utils.data.labels import LabelTable, img2label_paths, resolve_image_files, scan_labels
 from utils.data.loader import create_dataloader
 from utils.data.shards import ShardIndex
 from yolotrain.app import shards
@@ -52,8 +52,9 @@ def test_the_shards_hold_what_a_scan_of_the_folder_finds(tiny_data, tmp_path, re
         scan = scan_labels(files, img2label_paths(files), len(data.names))
         index = ShardIndex.open(out / f"{split}.index", nc=len(data.names))
         back = index.scan_result()
-        assert back.img_files == scan.img_files and back.label_files == scan.label_files
+        assert list(back.img_files) == scan.img_files and list(back.label_files) == scan.label_files
         assert np.array_equal(back.image_hw, scan.image_hw) and back.counts == scan.counts
+        assert len(back.labels) == len(scan.labels)
         assert all(np.array_equal(a, b) for a, b in zip(back.labels, scan.labels))
         tars = sorted(out.glob(f"{split}-*.tar"))
         members = {}
@@ -139,3 +140,28 @@ def test_a_bad_shard_read_by_a_loader_worker_is_still_one_line(tmp_path, restore
         next(iter(loader))
     assert re.fullmatch(rf"{re.escape(str(tar))}/000000001.png: the shard ends \d+ bytes early \(truncated\)",
                         str(e.value)), str(e.value)
+
+
+def test_a_label_table_is_the_per_image_arrays_in_one(restore_logger):
+    per_image = [np.array([[0, .5, .5, .2, .2], [1, .3, .3, .1, .1]]), np.zeros((0, 5)), np.array([[2, .6, .6, .3, .3]])]
+    table = LabelTable.of(per_image)
+    assert len(table) == 3 and all(np.array_equal(a, b) for a, b in zip(table, per_image))
+    assert table.counts().tolist() == [2, 0, 1] and LabelTable.of(table) is table
+    back = table.take(np.array([2, 1, 0]))
+    assert np.array_equal(back.stacked(), np.concatenate(per_image[::-1])) and back.rows is table.rows
+    one = back.with_class(0)
+    assert (one.stacked()[:, 0] == 0).all() and table[0][1, 0] == 1  # on a copy: the source keeps its classes
+
+
+def test_a_shard_split_keeps_its_index_mapped_and_reorders_as_the_folder_does(tmp_path, restore_logger):
+    """Rectangular batches reorder the split: from the index, the same files, labels and shapes as from the folder,
+    with the labels still the index's mapped array (one copy per node, whatever the ranks)."""
+    imgs = _folder(tmp_path / "src", 6)
+    out = _make(imgs, tmp_path / "out", "--nc", "1")
+    kw = dict(img_size=64, batch_size=2, rect=True, nc=1, verbose=False)
+    folder, index = LoadImagesAndLabels(imgs, **kw), LoadImagesAndLabels(out / "train.index", **kw)
+    assert list(index.im_files) == folder.im_files and np.array_equal(index.batch_shapes, folder.batch_shapes)
+    assert all(np.array_equal(a, b) for a, b in zip(index.labels, folder.labels))
+    assert np.array_equal(index.image_hw, folder.image_hw) and np.array_equal(index.loaded_hw, folder.loaded_hw)
+    assert isinstance(index.labels.rows, np.memmap) and Path(index.labels.rows.filename) == (
+        (out / "train.index" / "labels.npy").resolve())

@@ -164,6 +164,14 @@ def resized_hw(h0: int, w0: int, img_size: int) -> tuple[int, int]:
     return min(max(1, math.ceil(h0 * r)), img_size), min(max(1, math.ceil(w0 * r)), img_size)
 
 
+def resized_hw_all(hw: np.ndarray, img_size: int) -> np.ndarray:
+    """(n, 2) int64 ``resized_hw`` of every (h, w) row at once, the same float64 arithmetic."""
+    hw = np.asarray(hw, np.int64).reshape(-1, 2)
+    r = img_size / hw.max(1, keepdims=True).astype(np.float64)
+    out = np.minimum(np.maximum(np.ceil(hw * r), 1), img_size).astype(np.int64)
+    return np.where(r == 1, hw, out)
+
+
 def resize_long_side(img: np.ndarray, img_size: int, augment: bool) -> np.ndarray:
     """Scale so the long side is ``img_size``: INTER_AREA when shrinking for evaluation (sharper)."""
     h0, w0 = img.shape[:2]

@@ -17,17 +17,18 @@ import torch
 from utils.core import watchdog
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
-from utils.data.augment import resize_long_side, resized_hw
+from utils.data.augment import resize_long_side, resized_hw_all
 from utils.data.batch import Batch, BatchMemory, batch_targets
 from utils.data.device_augment import pack
 from utils.data.geometry import Placement
 from utils.data.images import decode_image_bgr, read_image_bgr
 from utils.data.labelcache import load_or_scan
-from utils.data.labels import describe_source, format_summary, img2label_paths, require_usable, resolve_image_files
+from utils.data.labels import (LabelTable, describe_source, format_summary, img2label_paths, require_usable,
+                               resolve_image_files)
 from utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from utils.data.problems import check_label_presence, report_messages, write_problem_report
 from utils.data.render import Scratch, TileSource, render
-from utils.data.shards import ShardIndex, is_shard_index
+from utils.data.shards import ShardIndex, SourceColumn, is_shard_index
 
 
 class SampleKey(NamedTuple):
@@ -86,12 +87,12 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             LOGGER.info(format_summary(c, split))
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
-        self.im_files, self.label_files = list(result.img_files), list(result.label_files)
+        # a shard index's paths and labels stay columns over its mapped arrays; a scan's become the same shapes
+        self.im_files = result.img_files if isinstance(result.img_files, SourceColumn) else list(result.img_files)
         # float64 as written (evaluation and ground_truth.json); augmentation takes float32 copies
-        self.labels = [x.astype(np.float64).reshape(-1, 5).copy() for x in result.labels]
+        self.labels = LabelTable.of(result.labels)
         if single_cls:
-            for x in self.labels:
-                x[:, 0] = 0
+            self.labels = self.labels.with_class(0)
         self.image_hw = np.asarray(result.image_hw, dtype=np.int32).reshape(-1, 2)
         self.rows = np.arange(len(self.im_files))  # each sample's row in the shard index (rect reorders them)
         self.counts, self.msgs = dict(c), list(result.msgs)
@@ -108,9 +109,9 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         """Sort by aspect ratio and give each batch the smallest stride-multiple shape that fits it."""
         ar = self.image_hw[:, 0] / self.image_hw[:, 1]  # h / w
         order = ar.argsort(kind="stable")
-        self.im_files = [self.im_files[i] for i in order]
-        self.label_files = [self.label_files[i] for i in order]
-        self.labels = [self.labels[i] for i in order]
+        files = self.im_files
+        self.im_files = files.take(order) if isinstance(files, SourceColumn) else [files[i] for i in order]
+        self.labels = self.labels.take(order)
         self.image_hw, self.rows, ar = self.image_hw[order], self.rows[order], ar[order]
         nb = math.ceil(len(ar) / batch_size)
         rel_hw = np.ones((nb, 2))  # each batch's (h, w) relative to img_size
@@ -145,8 +146,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     def loaded_hw(self) -> np.ndarray:
         """(n, 2) each image's size as ``load_image`` returns it (long side img_size)."""
         if self._loaded_hw is None:
-            self._loaded_hw = np.array([resized_hw(int(h), int(w), self.img_size) for h, w in self.image_hw],
-                                       dtype=np.int64).reshape(-1, 2)
+            self._loaded_hw = resized_hw_all(self.image_hw, self.img_size)
         return self._loaded_hw
 
     def mosaic_enabled(self, key: SampleKey) -> bool:

@@ -12,7 +12,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,14 +74,66 @@ def resolve_image_files(path: str | Path | Sequence[str | Path]) -> list[str]:
     return files
 
 
+class LabelTable(Sequence):
+    """Every image's label rows (cls, xc, yc, w, h) in one (N, 5) float64 array, image ``i``'s rows being
+    ``rows[begin[i]:end[i]]``: a sequence of per-image views. One array instead of one per image lets a
+    shard index's labels stay memory-mapped (one copy per node, nothing per sample to build) and a reorder
+    (rectangular batches) move two index arrays instead of the rows."""
+
+    def __init__(self, rows: np.ndarray, begin: np.ndarray, end: np.ndarray) -> None:
+        if len(begin) != len(end):
+            raise ValueError(f"{len(begin)} row starts but {len(end)} row ends")
+        self.rows, self.begin, self.end = rows, begin, end
+
+    @classmethod
+    def of(cls, labels: Sequence[np.ndarray]) -> LabelTable:
+        """A table of per-image arrays (a scan's), copied; a table as it is."""
+        if isinstance(labels, LabelTable):
+            return labels
+        counts = np.array([len(x) for x in labels], np.int64)
+        end = np.cumsum(counts)
+        rows = np.concatenate([np.asarray(x, np.float64).reshape(-1, 5) for x in labels]) if len(labels) else None
+        return cls(rows if rows is not None else np.zeros((0, 5)), end - counts, end)
+
+    def __len__(self) -> int:
+        return len(self.begin)
+
+    def __getitem__(self, i: Any) -> np.ndarray:
+        if isinstance(i, slice):
+            raise TypeError("a LabelTable takes one index; take(order) for several")
+        return self.rows[self.begin[i]:self.end[i]]
+
+    def take(self, order: np.ndarray) -> LabelTable:
+        """The images in ``order`` (their rows stay where they are)."""
+        return LabelTable(self.rows, self.begin[order], self.end[order])
+
+    def with_class(self, c: int) -> LabelTable:
+        """Every row's class set to ``c`` (--single-cls), on a copy of the rows."""
+        rows = np.array(self.rows, np.float64)
+        rows[:, 0] = c
+        return LabelTable(rows, self.begin, self.end)
+
+    def counts(self) -> np.ndarray:
+        """(n,) each image's number of rows."""
+        return np.asarray(self.end) - np.asarray(self.begin)
+
+    def stacked(self) -> np.ndarray:
+        """(N, 5) every image's rows in image order, one array."""
+        counts = self.counts()
+        if not len(counts):
+            return np.zeros((0, 5))
+        first = np.repeat(np.asarray(self.begin) - (np.cumsum(counts) - counts), counts)
+        return np.asarray(self.rows)[first + np.arange(int(counts.sum()))]
+
+
 @dataclass
 class ScanResult:
     """Usable images with their labels (n, 5) and upright sizes (n, 2) int32 (h, w), plus what was
     wrong and counts."""
 
-    img_files: list[str]
-    label_files: list[str]
-    labels: list[np.ndarray]
+    img_files: Sequence[str]
+    label_files: Sequence[str]
+    labels: Sequence[np.ndarray]  # a list from a scan, a LabelTable from a shard index
     image_hw: np.ndarray
     msgs: list[str]
     counts: dict[str, int]

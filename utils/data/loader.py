@@ -106,17 +106,19 @@ class TrainSampler(Sampler):
         return perm[others]
 
     def __iter__(self) -> Iterator[SampleKey]:
+        """The epoch's order is array work; each key is made as the loader asks for it (a split of millions
+        starts its epoch without a Python step per sample)."""
         epoch, off = self.epoch, self.mosaic_off_from_epoch
         mosaic = off is None or epoch < off
         if not self.n:
-            return iter([])
+            return iter(())
         perm = self.permutation()
         positions = self.positions()[self.skip:]
-        indices = perm[positions % self.n].tolist()
+        indices = perm[positions % self.n]
         if not (mosaic and self.pool > 1):
-            return iter([SampleKey(epoch, i, mosaic) for i in indices])
-        pools = self.pools(perm, positions).tolist()
-        return iter([SampleKey(epoch, i, mosaic, tuple(pool)) for i, pool in zip(indices, pools)])
+            return (SampleKey(epoch, int(i), mosaic) for i in indices)
+        pools = self.pools(perm, positions)
+        return (SampleKey(epoch, int(i), mosaic, tuple(pool.tolist())) for i, pool in zip(indices, pools))
 
     def __len__(self) -> int:
         return self.num_samples - self.skip

@@ -20,13 +20,14 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from utils.core.errors import UserError
 from utils.data import remote
-from utils.data.labels import ScanResult, img2label_paths
+from utils.data.labels import LabelTable, ScanResult, img2label_paths
 
 INDEX_SUFFIX = ".index"
 INDEX_JSON = "index.json"
@@ -112,20 +113,56 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
             size[i] = len(data)
     finally:
         writer.close()
-    counts = np.array([len(x) for x in result.labels], np.int64)
+    table = LabelTable.of(result.labels)
     arrays = {"shard": shard, "offset": offset, "size": size, "suffix": suffix,
               "image_hw": np.asarray(result.image_hw, np.int32).reshape(-1, 2),
-              "label_start": np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-              "labels": (np.concatenate(result.labels) if n else np.zeros((0, 5))).astype(np.float64).reshape(-1, 5),
+              "label_start": np.concatenate([[0], table.end]).astype(np.int64), "labels": table.rows,
               "sources": np.array([s.encode() for s in result.img_files], dtype=bytes)}
-    index = out / f"{split}{INDEX_SUFFIX}"
+    meta = {"nc": nc, "shards": writer.names, "suffixes": suffixes, "counts": result.counts, "msgs": result.msgs}
+    return save_index(out / f"{split}{INDEX_SUFFIX}", arrays, meta)
+
+
+def save_index(index: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+    """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, suffixes, counts, msgs) as json."""
     index.mkdir()
     for name in ARRAYS:
         np.save(index / f"{name}.npy", arrays[name], allow_pickle=False)
-    meta = {"version": INDEX_VERSION, "nc": nc, "shards": writer.names, "suffixes": suffixes,
-            "counts": result.counts, "msgs": result.msgs}
-    (index / INDEX_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+    (index / INDEX_JSON).write_text(json.dumps({"version": INDEX_VERSION, **meta}, indent=1) + "\n")
     return index
+
+
+class SourceColumn(Sequence):
+    """The index's source paths as a sequence of str, decoded one at a time: a split of millions of images
+    keeps them as the index's mapped bytes rather than a Python string each."""
+
+    def __init__(self, sources: np.ndarray, order: np.ndarray | None = None) -> None:
+        self.sources, self.order = sources, order
+
+    def __len__(self) -> int:
+        return len(self.sources) if self.order is None else len(self.order)
+
+    def __getitem__(self, i: Any) -> str:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self.sources[i if self.order is None else self.order[i]].decode()
+
+    def take(self, order: np.ndarray) -> SourceColumn:
+        return SourceColumn(self.sources, order if self.order is None else self.order[order])
+
+
+class LabelPaths(Sequence):
+    """Where each source image's label file was (img2label_paths), worked out when asked: messages only."""
+
+    def __init__(self, images: Sequence[str]) -> None:
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return img2label_paths(self.images[i])
+        return img2label_paths([self.images[i]])[0]
 
 
 @dataclass(frozen=True)
@@ -182,14 +219,14 @@ class ShardIndex:
         return data
 
     def scan_result(self) -> ScanResult:
-        """What a scan of the source folder gave, read back from the index."""
-        a, n = self.arrays, len(self)
-        sources = [s.decode() for s in a["sources"].tolist()]
-        starts = np.asarray(a["label_start"])
-        labels = np.asarray(a["labels"])
-        return ScanResult(img_files=sources, label_files=img2label_paths(sources),
-                          labels=[labels[starts[i]:starts[i + 1]] for i in range(n)],
-                          image_hw=np.asarray(a["image_hw"]), msgs=list(self.meta.get("msgs", [])),
+        """What a scan of the source folder gave, read back from the index as columns over its arrays (nothing
+        built per sample, so a split of millions opens at once)."""
+        a = self.arrays
+        starts = a["label_start"]
+        sources = SourceColumn(a["sources"])
+        return ScanResult(img_files=sources, label_files=LabelPaths(sources),
+                          labels=LabelTable(a["labels"], starts[:-1], starts[1:]),
+                          image_hw=a["image_hw"], msgs=list(self.meta.get("msgs", [])),
                           counts=dict(self.meta.get("counts", {})))
 
 

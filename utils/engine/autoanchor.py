@@ -32,6 +32,7 @@ from utils.core import dist
 from utils.core.dist import DistInfo
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, colorstr
+from utils.data.labels import LabelTable
 
 PREFIX = "AutoAnchor: "
 BPR_GOOD = 0.98  # below this share of coverable labels, anchors are re-fitted (YOLOv5's threshold)
@@ -80,7 +81,7 @@ def _image_wh(dataset: Any, img_size: int, scale: np.ndarray | None = None) -> n
     ``scale`` (N, 1) optionally multiplies each image's size, YOLOv5's scale augmentation.
     """
     wh = np.asarray(dataset.image_hw, dtype=np.float64).reshape(-1, 2)[:, ::-1]  # (w, h), as the label columns
-    labels = list(dataset.labels)
+    labels = LabelTable.of(dataset.labels)
     if len(labels) != len(wh):
         raise ValueError(f"dataset has {len(labels)} label arrays but {len(wh)} image sizes")
     if not labels:
@@ -88,8 +89,7 @@ def _image_wh(dataset: Any, img_size: int, scale: np.ndarray | None = None) -> n
     sizes = img_size * wh / wh.max(1, keepdims=True).clip(min=1)
     if scale is not None:
         sizes = sizes * scale
-    parts = [np.asarray(lb, dtype=np.float64).reshape(-1, 5)[:, 3:5] * s for s, lb in zip(sizes, labels)]
-    return np.concatenate(parts, 0)
+    return labels.stacked()[:, 3:5] * np.repeat(sizes, labels.counts(), axis=0)
 
 
 def label_wh(dataset: Any, img_size: int) -> np.ndarray:

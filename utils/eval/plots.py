@@ -18,6 +18,7 @@ import cv2
 import numpy as np
 
 from utils.core.logging import LOGGER
+from utils.data.labels import LabelTable
 from utils.eval.metrics import Curves, DetectionMetrics
 
 MAX_LEGEND_CLASSES = 21  # per-class legend entries beyond this are unreadable
@@ -245,7 +246,9 @@ def plot_confusion_matrix(matrix: Any, names: Any, path: str | Path, normalize: 
 
 # ---------------------------------------------------------------- dataset labels
 def _stack_labels(labels: Any) -> np.ndarray:
-    """(N, 5) [cls, xc, yc, w, h] from one array or a list of per-image arrays (dataset.labels)."""
+    """(N, 5) [cls, xc, yc, w, h] from one array, a list of per-image arrays or dataset.labels (a LabelTable)."""
+    if isinstance(labels, LabelTable):
+        return labels.stacked()
     if isinstance(labels, (list, tuple)):
         parts = [_to_numpy(x).reshape(-1, 5) for x in labels]
         return np.concatenate(parts).astype(np.float64) if parts else np.zeros((0, 5))
