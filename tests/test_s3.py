@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,21 @@ def test_an_index_in_a_bucket_reads_as_the_local_one(server, tiny_data, tmp_path
         ShardIndex.open("s3://nobucket/x/train.index")
 
 
+def test_a_node_fetches_a_remote_index_once_and_maps_it(server, tiny_data, tmp_path, restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url, cache = _upload(server, out, "data", "tiny"), tmp_path / "node-disk"
+    first = ShardIndex.open(f"{url}/train.index", cache_dir=cache)
+    copy = cache / "yolotrain-indexes" / first.meta["id"]
+    assert isinstance(first.arrays["labels"], np.memmap) and Path(first.arrays["labels"].filename) == (
+        copy / "labels.npy").resolve()
+    server.fs().rm("data/tiny/train.index/labels.npy")  # a second rank of the node never reads the arrays again
+    second = ShardIndex.open(f"{url}/train.index", cache_dir=cache)
+    local = ShardIndex.open(out / "train.index")
+    assert all(np.array_equal(second.arrays[k], local.arrays[k]) for k in local.arrays)
+    assert sorted(p.name for p in (cache / "yolotrain-indexes").iterdir()) == [first.meta["id"]]  # no temp left
+
+
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):
     server.fs().mkdir("empty")
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -119,13 +135,15 @@ def test_training_from_a_bucket_is_training_from_the_folder(server, tiny_data, t
     yaml.write_text(f"path: {url}\ntrain: train.index\nval: val.index\n"
                     "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
     flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
-             "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
+             "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs"),
+             "--cache-dir", str(tmp_path / "node-disk")]  # the label cache's and the index copy's node-local folder
     env = {**run_env(), **server.env, "HOME": os.environ["HOME"]}
     for name, data in (("folder", tiny_data), ("s3", yaml)):
         p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert f"Scanning {url}/train.index" in p.stdout and "(from the shard index)" in p.stdout
+    assert len(list((tmp_path / "node-disk" / "yolotrain-indexes").iterdir())) == 2  # train's and val's, mapped
     a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "s3"))
     for part in ("model", "ema"):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])

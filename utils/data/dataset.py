@@ -72,7 +72,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.shards: ShardIndex | None = None  # a shard index replaces the scan (utils/data/shards.py)
         with watchdog.phase("scan", f"{prefix}{describe_source(path)}"):  # the scan beats per file
             if is_shard_index(path):
-                self.shards = ShardIndex.open(path, nc)  # a remote one's arrays are read here: this phase's wait
+                self.shards = ShardIndex.open(path, nc, cache_dir)  # a remote one's arrays are fetched here
                 result, self.cache_hit = self.shards.scan_result(), True
             else:
                 img_files = resolve_image_files(path)

@@ -13,11 +13,13 @@ same samples, labels, sizes and order as scanning the folder it came from, so tr
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from utils.core.errors import UserError
+from utils.core.logging import LOGGER
 from utils.data import remote
 from utils.data.labels import LabelTable, ScanResult, img2label_paths
 
@@ -123,11 +126,17 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
 
 
 def save_index(index: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
-    """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, suffixes, counts, msgs) as json."""
+    """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, suffixes, counts, msgs) as json,
+    with the arrays' content hash as its ``id`` (what a node's local copy of a remote index is known by)."""
     index.mkdir()
+    digest = hashlib.sha256()
     for name in ARRAYS:
-        np.save(index / f"{name}.npy", arrays[name], allow_pickle=False)
-    (index / INDEX_JSON).write_text(json.dumps({"version": INDEX_VERSION, **meta}, indent=1) + "\n")
+        a = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name} {a.dtype.str} {a.shape}".encode())
+        digest.update(a.data if a.size else b"")
+        np.save(index / f"{name}.npy", a, allow_pickle=False)
+    meta = {"version": INDEX_VERSION, "id": digest.hexdigest()[:32], **meta}
+    (index / INDEX_JSON).write_text(json.dumps(meta, indent=1) + "\n")
     return index
 
 
@@ -175,15 +184,18 @@ class ShardIndex:
     arrays: dict[str, np.ndarray]
 
     @classmethod
-    def open(cls, path: Any, nc: int | None = None) -> ShardIndex:
+    def open(cls, path: Any, nc: int | None = None, cache_dir: Path | None = None) -> ShardIndex:
         """The index a split names (a path or URL, or a data yaml's one-entry list); ``nc``: the classes it must
-        have. A missing index, bucket or credentials fail here, before any training."""
+        have. A missing index, bucket or credentials fail here, before any training. A remote index's arrays are
+        copied once to ``cache_dir`` (default: the temp folder) on this node's disk and mapped from there
+        (``local_copy``)."""
         root = str(path[0] if isinstance(path, (list, tuple)) else path).rstrip("/")
         meta = index_meta(root)
         if nc is not None and meta.get("nc") != nc:
             raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
+        folder = local_copy(root, meta, cache_dir) if remote.is_url(root) else Path(root)
         try:
-            arrays = {k: _load_array(root, k) for k in ARRAYS}
+            arrays = {k: _load_array(root if folder is None else folder, k) for k in ARRAYS}
         except (OSError, ValueError) as e:
             raise UserError(f"{root}: index arrays unreadable ({e}); make it again") from None
         return cls(root, meta, arrays)
@@ -249,8 +261,35 @@ def index_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _load_array(root: str, name: str) -> np.ndarray:
-    """A local index's array memory-mapped; a remote one's read whole (they are small beside the shards)."""
+def local_copy(root: str, meta: dict[str, Any], cache_dir: Path | None) -> Path | None:
+    """A remote index's arrays in a folder on this node's disk, named by the index's content id: fetched by the
+    first rank of the node to open it (the loader builds datasets on local rank 0 first) and memory-mapped by
+    every rank, so a node holds one copy. None (each rank reads the arrays whole) for an index without an id
+    or where the disk refuses the copy."""
+    ident = meta.get("id")
+    if not ident:
+        return None
+    base = Path(cache_dir if cache_dir is not None else tempfile.gettempdir()) / "yolotrain-indexes"
+    folder = base / ident
+    if all((folder / f"{k}.npy").is_file() for k in ARRAYS):
+        return folder
+    tmp = base / f".{ident}-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for k in ARRAYS:
+            (tmp / f"{k}.npy").write_bytes(remote.read(remote.join(root, f"{k}.npy")))
+        os.replace(tmp, folder)
+    except OSError as e:
+        discard(tmp)
+        if all((folder / f"{k}.npy").is_file() for k in ARRAYS):  # another process of this node made it first
+            return folder
+        LOGGER.warning(f"WARNING: {root}: no local copy of the index in {base} ({e}); every rank reads it whole")
+        return None
+    return folder
+
+
+def _load_array(root: str | Path, name: str) -> np.ndarray:
+    """A local index's array memory-mapped; a remote one's read whole."""
     if remote.is_url(root):
         return np.load(io.BytesIO(remote.read(remote.join(root, f"{name}.npy"))), allow_pickle=False)
     return np.load(Path(root) / f"{name}.npy", mmap_mode="r", allow_pickle=False)
