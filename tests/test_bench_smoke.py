@@ -34,7 +34,7 @@ from tests.conftest import ROOT, run_env
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
-           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "train_speed",
+           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "storage_speed", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
@@ -153,6 +153,24 @@ def test_index_scale_opens_a_synthetic_index_in_a_two_node_job(tmp_path):
     assert all(int(m[4]) > 0 and int(m[5]) > 0 for m in ranks)  # RSS and PSS of each of the four ranks
     _finite(_line(out, rf"slowest rank to its first sample key: ({NUM}) s")[1])
     _line(out, rf"index mappings, PSS of all four ranks together: ({NUM}) MiB")
+
+
+# ---------------------------------------------------------------------------------------------- storage_speed
+
+
+@pytest.mark.slow
+def test_storage_speed_reads_the_same_split_from_a_folder_shards_and_a_local_s3_server(tmp_path):
+    pytest.importorskip("s3fs", reason="pip install -r requirements-s3.txt")
+    pytest.importorskip("moto.server", reason="moto[server] runs the S3 server the bench reads from")
+    out = _bench("storage_speed", "--root", tmp_path, "--imgsz", 64, "--workers", 0, 1, "--batches", 2).stdout
+    assert "data: " in out and "(400 images," in out
+    _finite(_line(out, rf"conversion: ({NUM}) s, ({NUM}) images/s")[2])
+    _finite(*_line(out, rf"index open: local ({NUM}) ms; from the bucket ({NUM}) ms .* ({NUM}) ms")
+            .groups())
+    for w in (0, 1):
+        m = _line(out, rf"\s+{w}" + rf"\s+({NUM}) \(({NUM})x\)" * 4)
+        rates = _finite(*m.groups())
+        assert all(r > 0 for r in rates) and rates[1] == 1.0  # the folder's ratio to itself
 
 
 # ---------------------------------------------------------------------------------------------- metrics_speed

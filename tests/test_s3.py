@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.data import remote
+from utils.data.shardcache import BUDGET_ENV
 from utils.data.shards import ShardIndex
 from yolotrain.app import shards
 
@@ -59,18 +61,20 @@ class Server:
 
 
 @pytest.fixture
-def server(monkeypatch):
+def server(monkeypatch, tmp_path):
     s = Server()
     for k, v in s.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("HOME", str(Path(os.environ.get("TMPDIR", "/tmp"))))  # no ~/.aws of the machine's
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the node's index and shard copies by default
     yield s
     s.stop()
 
 
 def _upload(server: Server, src: Path, bucket: str, prefix: str) -> str:
     fs = server.fs()
-    fs.mkdir(bucket)
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
     fs.put(str(src) + "/", f"{bucket}/{prefix}/", recursive=True)
     return f"s3://{bucket}/{prefix}"
 
@@ -101,6 +105,29 @@ def test_a_node_fetches_a_remote_index_once_and_maps_it(server, tiny_data, tmp_p
     local = ShardIndex.open(out / "train.index")
     assert all(np.array_equal(second.arrays[k], local.arrays[k]) for k in local.arrays)
     assert sorted(p.name for p in (cache / "yolotrain-indexes").iterdir()) == [first.meta["id"]]  # no temp left
+
+
+def test_a_node_copies_the_shards_it_reads_and_then_reads_them_locally(server, tiny_data, tmp_path, monkeypatch,
+                                                                         restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out), "--shard-size", "1"]))
+    url, local = _upload(server, out, "data", "tiny"), ShardIndex.open(out / "train.index")
+    index = ShardIndex.open(f"{url}/train.index", cache_dir=tmp_path / "node")
+    assert all(index.read(i) == local.read(i) for i in range(len(local)))  # by range while the copies run
+    index.cache.wait()
+    copies = sorted((tmp_path / "node" / "yolotrain-shards" / index.meta["id"]).iterdir())
+    assert [p.name for p in copies if not p.name.startswith(".")] == index.meta["shards"]
+    assert all(p.read_bytes() == (out / p.name).read_bytes() for p in copies if p.suffix == ".tar")
+    server.fs().rm("data/tiny", recursive=True)  # the store's copy gone: the node's copies serve every read
+    assert all(index.read(i) == local.read(i) for i in range(len(local)))
+    monkeypatch.setenv(BUDGET_ENV, "0")  # no copies: every read by range
+    none = ShardIndex.open(f"{_upload(server, out, 'data', 'again')}/train.index", cache_dir=tmp_path / "node2")
+    assert all(none.read(i) == local.read(i) for i in range(len(local)))
+    none.cache.wait()
+    assert not list((tmp_path / "node2" / "yolotrain-shards").glob("*/*.tar"))
+    monkeypatch.setenv(BUDGET_ENV, "lots")
+    with pytest.raises(UserError, match=f"{BUDGET_ENV}='lots': expected GiB"):
+        ShardIndex.open(f"{url.replace('tiny', 'again')}/train.index")
 
 
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import posixpath
 import time
-from typing import Any
+from typing import Any, Callable
 
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
@@ -79,11 +79,24 @@ def _filesystem(url: str) -> tuple[Any, str]:
 def read(url: str, start: int | None = None, end: int | None = None) -> bytes:
     """The object's bytes (``start``:``end`` when given), retried with backoff while the store is failing."""
     fs, path = _filesystem(url)
+    return _retrying(url, lambda: fs.cat_file(path, start=start, end=end))
+
+
+def download(url: str, dest: str | os.PathLike) -> None:
+    """The whole object into the local file ``dest``, in one attempt (a background copy that fails leaves the reads
+    to ``read``, which retries)."""
+    fs, path = _filesystem(url)
+    fs.get_file(path, os.fspath(dest))
+
+
+def _retrying(url: str, call: Callable[[], bytes]) -> bytes:
+    """``call()``, retried with exponential backoff for up to the patience; a missing object and refused
+    credentials are UserErrors at once."""
     patience = float(os.environ.get(PATIENCE_ENV, DEFAULT_PATIENCE_S))
     deadline, delay, told = time.monotonic() + patience, 0.5, False
     while True:
         try:
-            return fs.cat_file(path, start=start, end=end)
+            return call()
         except FileNotFoundError:
             raise UserError(f"{url}: no such object at {endpoint(url)} (a missing bucket or key)") from None
         except PermissionError as e:

@@ -31,6 +31,7 @@ from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 from utils.data import remote
 from utils.data.labels import LabelTable, ScanResult, img2label_paths
+from utils.data.shardcache import ShardCache, budget_bytes
 
 INDEX_SUFFIX = ".index"
 INDEX_JSON = "index.json"
@@ -66,6 +67,7 @@ class ShardWriter:
     def __init__(self, out: Path, split: str, shard_bytes: int) -> None:
         self.out, self.split, self.shard_bytes = out, split, shard_bytes
         self.names: list[str] = []
+        self.sizes: list[int] = []  # each closed shard's bytes
         self._tar: tarfile.TarFile | None = None
 
     def add_sample(self, key: str, suffix: str, image: bytes, labels: str) -> tuple[int, int]:
@@ -91,6 +93,7 @@ class ShardWriter:
         if self._tar is not None:
             self._tar.close()
             self._tar = None
+            self.sizes.append((self.out / self.names[-1]).stat().st_size)
 
 
 def _padded(n: int) -> int:
@@ -121,12 +124,14 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
               "image_hw": np.asarray(result.image_hw, np.int32).reshape(-1, 2),
               "label_start": np.concatenate([[0], table.end]).astype(np.int64), "labels": table.rows,
               "sources": np.array([s.encode() for s in result.img_files], dtype=bytes)}
-    meta = {"nc": nc, "shards": writer.names, "suffixes": suffixes, "counts": result.counts, "msgs": result.msgs}
+    meta = {"nc": nc, "shards": writer.names, "shard_bytes": writer.sizes, "suffixes": suffixes,
+            "counts": result.counts, "msgs": result.msgs}
     return save_index(out / f"{split}{INDEX_SUFFIX}", arrays, meta)
 
 
 def save_index(index: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
-    """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, suffixes, counts, msgs) as json,
+    """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, shard_bytes, suffixes, counts, msgs)
+    as json,
     with the arrays' content hash as its ``id`` (what a node's local copy of a remote index is known by)."""
     index.mkdir()
     digest = hashlib.sha256()
@@ -182,6 +187,7 @@ class ShardIndex:
     root: str
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
+    cache: ShardCache | None = None  # a remote index's node-local shard copies (utils/data/shardcache.py)
 
     @classmethod
     def open(cls, path: Any, nc: int | None = None, cache_dir: Path | None = None) -> ShardIndex:
@@ -193,12 +199,16 @@ class ShardIndex:
         meta = index_meta(root)
         if nc is not None and meta.get("nc") != nc:
             raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
-        folder = local_copy(root, meta, cache_dir) if remote.is_url(root) else Path(root)
+        folder, cache = Path(root), None
+        if remote.is_url(root):
+            node = Path(cache_dir if cache_dir is not None else tempfile.gettempdir())
+            folder = local_copy(root, meta, node / "yolotrain-indexes")
+            cache = ShardCache(node / "yolotrain-shards" / meta["id"], budget_bytes()) if meta.get("id") else None
         try:
             arrays = {k: _load_array(root if folder is None else folder, k) for k in ARRAYS}
         except (OSError, ValueError) as e:
             raise UserError(f"{root}: index arrays unreadable ({e}); make it again") from None
-        return cls(root, meta, arrays)
+        return cls(root, meta, arrays, cache)
 
     def __len__(self) -> int:
         return len(self.arrays["shard"])
@@ -214,9 +224,14 @@ class ShardIndex:
         return f"{self.shard_path(int(a['shard'][i]))}/{i:09d}{self.meta['suffixes'][int(a['suffix'][i])]}"
 
     def read(self, i: int) -> bytes:
-        """Sample ``i``'s image bytes, by its byte range in the shard."""
+        """Sample ``i``'s image bytes, by its byte range in the shard (a remote shard's node-local copy once
+        there is one)."""
         a = self.arrays
-        path, start, n = self.shard_path(int(a["shard"][i])), int(a["offset"][i]), int(a["size"][i])
+        k, start, n = int(a["shard"][i]), int(a["offset"][i]), int(a["size"][i])
+        path = self.shard_path(k)
+        if remote.is_url(path) and self.cache is not None:
+            sizes = self.meta.get("shard_bytes")
+            path = str(self.cache.local(path, sizes[k] if sizes else None) or path)
         if remote.is_url(path):
             data = remote.read(path, start, start + n)
         else:
@@ -261,7 +276,7 @@ def index_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def local_copy(root: str, meta: dict[str, Any], cache_dir: Path | None) -> Path | None:
+def local_copy(root: str, meta: dict[str, Any], base: Path) -> Path | None:
     """A remote index's arrays in a folder on this node's disk, named by the index's content id: fetched by the
     first rank of the node to open it (the loader builds datasets on local rank 0 first) and memory-mapped by
     every rank, so a node holds one copy. None (each rank reads the arrays whole) for an index without an id
@@ -269,7 +284,6 @@ def local_copy(root: str, meta: dict[str, Any], cache_dir: Path | None) -> Path 
     ident = meta.get("id")
     if not ident:
         return None
-    base = Path(cache_dir if cache_dir is not None else tempfile.gettempdir()) / "yolotrain-indexes"
     folder = base / ident
     if all((folder / f"{k}.npy").is_file() for k in ARRAYS):
         return folder
