@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,10 @@ class Server:
         self.port = _free_port()
         self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.start()
+
+    def start(self) -> None:
+        """Serve on this server's port (an empty store: moto keeps objects in memory)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
@@ -151,6 +156,29 @@ def test_a_store_gone_stops_with_the_object_and_the_endpoint(server, tiny_data, 
         index.read(0)
     assert 1.0 < time.monotonic() - started < 60  # retried with backoff until the patience ran out
     assert capsys.readouterr().out.count("retrying with backoff") == 1  # logged once
+
+
+def test_a_store_back_within_the_patience_serves_the_read(server, tiny_data, tmp_path, monkeypatch, capsys,
+                                                         restore_logger):
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    monkeypatch.setenv(BUDGET_ENV, "0")  # every read a range request to the store
+    index = ShardIndex.open(f"{_upload(server, out, 'data', 'tiny')}/val.index")
+    server.stop()  # gone mid-epoch, back (with its objects) a few seconds later
+
+    def come_back() -> None:
+        time.sleep(3)
+        server.start()
+        _upload(server, out, "data", "tiny")
+
+    back = threading.Thread(target=come_back)
+    back.start()
+    monkeypatch.setenv(remote.PATIENCE_ENV, "120")
+    try:
+        assert index.read(1) == ShardIndex.open(out / "val.index").read(1)
+    finally:
+        back.join()
+    assert capsys.readouterr().out.count("retrying with backoff") <= 1  # s3fs's own retries may cover a short outage
 
 
 @pytest.mark.slow

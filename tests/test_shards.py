@@ -18,6 +18,8 @@ from utils.core.errors import UserError
 from utils.data.config import load_data_config
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import LabelTable, img2label_paths, resolve_image_files, scan_labels
+from utils.core.hyp import Hyp
+from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
 from utils.data.shards import ShardIndex
 from yolotrain.app import shards
@@ -103,8 +105,6 @@ def test_a_split_reads_its_index_and_refuses_what_it_cannot_do(tmp_path, restore
     assert hw == (41, 48) and img.shape[:2] == (55, 64) and int(img[0, 0, 0]) == 20
     with pytest.raises(UserError, match="made for 1 classes, the dataset yaml has 2"):
         LoadImagesAndLabels(out / "train.index", img_size=64, nc=2, verbose=False)
-    with pytest.raises(UserError, match="--cache ram reads images from files"):
-        create_dataloader(out / "train.index", 64, 2, 32, nc=1, cache="ram", workers=0)
     tar, cut = out / "train-000000.tar", int(ShardIndex.open(out / "train.index").arrays["offset"][2]) + 10
     tar.write_bytes(tar.read_bytes()[:cut])  # the last image's bytes cut short
     last = LoadImagesAndLabels(out / "train.index", img_size=64, nc=1, verbose=False)
@@ -165,3 +165,25 @@ def test_a_shard_split_keeps_its_index_mapped_and_reorders_as_the_folder_does(tm
     assert np.array_equal(index.image_hw, folder.image_hw) and np.array_equal(index.loaded_hw, folder.loaded_hw)
     assert isinstance(index.labels.rows, np.memmap) and Path(index.labels.rows.filename) == (
         (out / "train.index" / "labels.npy").resolve())
+
+
+@pytest.mark.parametrize("mode", ["ram", "disk"])
+def test_cache_ram_and_disk_hold_a_shard_index_s_images(tmp_path, mode, restore_logger):
+    """--cache reads a shard index's images from their byte ranges once; a batch is the uncached one, pixel for
+    pixel, and a shard cut short afterwards no longer matters."""
+    imgs = _folder(tmp_path / "src", 6)
+    out = _make(imgs, tmp_path / "out", "--nc", "1")
+    kw = dict(nc=1, workers=0, augment=True, hyp=Hyp(), shuffle=True, cache_dir=tmp_path / "node")
+    plain = create_dataloader(out / "train.index", 64, 3, 32, **kw)
+    cached = create_dataloader(out / "train.index", 64, 3, 32, cache=mode, **kw)
+    try:
+        assert cached.dataset.imgcache.meta["uncached"] == 0
+        if mode == "disk":
+            assert cached.dataset.imgcache.file.parent == tmp_path / "node" / "yolotrain-images"
+        expected = [(a.images.clone(), a.targets.clone()) for a in plain]
+        (out / "train-000000.tar").write_bytes(b"")  # the images live in the cache now
+        got = [(b.images, b.targets) for b in cached]
+        assert len(got) == len(expected) == 2
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, got))
+    finally:
+        release_ram_caches(0, cached.dataset.imgcache, wait=False)

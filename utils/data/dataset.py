@@ -128,13 +128,18 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
 
     def load_image(self, i: int) -> tuple[np.ndarray, tuple[int, int]]:
         """BGR image resized so its long side is img_size, and its original (h, w)."""
-        if self.imgcache is not None:  # byte-identical to the disk path below
-            return self.imgcache.get(i)
-        if self.shards is not None:  # the image's bytes by their range in its shard, the same decoder
-            img = decode_image_bgr(self.shards.read(self.rows[i]), self.shards.member(self.rows[i]))
-        else:
-            img = read_image_bgr(self.im_files[i])  # the scan's decoder: EXIF, alpha, 16-bit, CMYK, truncation
+        cached = self.imgcache.get(i) if self.imgcache is not None else None  # byte-identical to the path below
+        if cached is not None:
+            return cached
+        img = self.read_original(i)
         return resize_long_side(img, self.img_size, self.augment), img.shape[:2]
+
+    def read_original(self, i: int) -> np.ndarray:
+        """Image ``i`` decoded, as the scan decoded it (EXIF, alpha, 16-bit, CMYK, truncation): from its file, or
+        from its byte range in its shard."""
+        if self.shards is not None:
+            return decode_image_bgr(self.shards.read(self.rows[i]), self.shards.member(self.rows[i]))
+        return read_image_bgr(self.im_files[i])
 
     def plan_inputs(self) -> PlanInputs:
         """What planning reads of this dataset (its arrays, not copies)."""

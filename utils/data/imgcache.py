@@ -27,6 +27,7 @@ import tempfile
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,18 @@ CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max at its root (a container's own
 MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
 
 ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
+ReadFn = Callable[[int], "np.ndarray | None"]  # image i as decoded BGR, None when unreadable
+
+
+@dataclass(frozen=True)
+class CacheSource:
+    """Images that are not files (a shard index's): ``read(i)`` decodes image i (None when unreadable), ``key``
+    names the set and its order (the cache's hash), ``folder`` holds a disk cache, ``split`` names it."""
+
+    read: ReadFn
+    key: str
+    folder: Path
+    split: str
 
 
 def header_hw(im_files: Sequence[str]) -> np.ndarray:
@@ -163,7 +176,6 @@ class ImageCache:
         self.built = False  # True in the process that built the file (tests and logs)
         self._data: np.ndarray | None = None
         self._index: np.ndarray | None = None
-        self._files: list[str] | None = None
         self._meta: dict | None = None
 
     def __getstate__(self) -> dict:
@@ -178,13 +190,6 @@ class ImageCache:
             self._index, self._meta = z["index"], json.loads(z["meta"].tobytes().decode())
         self._data = np.load(self.file, mmap_mode="r", allow_pickle=False)
 
-    def _file(self, i: int) -> str:
-        """Path of image ``i``, loaded only when needed: N path strings in every worker is real memory."""
-        if self._files is None:
-            with np.load(self.index_file, allow_pickle=False) as z:
-                self._files = json.loads(z["files"].tobytes().decode())
-        return self._files[i]
-
     @property
     def meta(self) -> dict:
         if self._meta is None:
@@ -198,18 +203,16 @@ class ImageCache:
     def __len__(self) -> int:
         return int(self.meta["n"])
 
-    def get(self, i: int) -> tuple[np.ndarray, tuple[int, int]]:
-        """Image ``i`` (BGR, long side img_size) as a writable copy, since augmentation works in place."""
+    def get(self, i: int) -> tuple[np.ndarray, tuple[int, int]] | None:
+        """Image ``i`` (BGR, long side img_size) as a writable copy, since augmentation works in place, and its
+        original (h, w); None for an image not cached at build time (unreadable, or its size disagreed with its
+        header), which the dataset then reads itself and so reports."""
         if self._data is None:
             self._open()
         off, h, w, h0, w0 = (int(v) for v in self._index[i])  # type: ignore[index]
-        if off < 0:  # not cacheable at build time (size disagreed with its header): the uncached path
-            img = read_image_bgr(self._file(i))  # raises a UserError naming the file
-            return self._resize(img), img.shape[:2]
+        if off < 0:
+            return None
         return self._data[off:off + h * w * 3].reshape(h, w, 3).copy(), (h0, w0)  # type: ignore[index]
-
-    def _resize(self, img: np.ndarray) -> np.ndarray:
-        return resize_long_side(img, int(self.meta["img_size"]), bool(self.meta["augment"]))
 
     def is_complete(self, n: int, hash_: str) -> bool:
         """True when the index exists, matches this hash and image count, and the data file has every byte."""
@@ -220,7 +223,7 @@ class ImageCache:
         except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
             ok = False
         if not ok:
-            self._data = self._index = self._files = self._meta = None
+            self._data = self._index = self._meta = None
         return ok
 
     def remove(self) -> None:
@@ -260,10 +263,9 @@ def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str, worke
                         f"{where} ({_gb(margin)} must stay free{loaders}); use {other}")
 
 
-def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: bool, hash_: str,
+def _build(cache: ImageCache, read: ReadFn, n: int, img_size: int, augment: bool, hash_: str,
            image_hw: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
     """Decode + resize every image in threads into a preallocated temp .npy, then rename it and the index in."""
-    n = len(im_files)
     hw = np.array([resized_hw(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
                    for h, w in image_hw], dtype=np.int64).reshape(-1, 2)
     nbytes_each = hw[:, 0] * hw[:, 1] * 3
@@ -277,7 +279,7 @@ def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: b
         data = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(max(total, 1),))
 
         def one(i: int) -> None:
-            img = _read(im_files[i])
+            img = read(i)
             if img is None:
                 index[i, 0] = -1  # left to the uncached path, which reports it
                 return
@@ -298,11 +300,10 @@ def _build(cache: ImageCache, im_files: Sequence[str], img_size: int, augment: b
     meta = {"version": CACHE_VERSION, "hash": hash_, "n": n, "nbytes": max(total, 1), "img_size": img_size,
             "augment": bool(augment), "uncached": int((index[:, 0] < 0).sum())}
     with atomic_write(cache.index_file) as f:
-        np.savez(f, index=index, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                 files=np.frombuffer(json.dumps(list(im_files)).encode(), dtype=np.uint8))
+        np.savez(f, index=index, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
     if meta["uncached"]:
         LOGGER.warning(f"WARNING: {meta['uncached']} image(s) did not match their header size or could not be "
-                       f"read; they are loaded from disk each time")
+                       f"read; they are read and decoded each time")
 
 
 def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
@@ -322,21 +323,27 @@ def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
 def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str,
                   cache_dir: Path | None = None, local_rank: int = 0, num_threads: int | None = None, *,
                   image_hw: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
-                  prefix: str = "", workers_shm: int = 0) -> ImageCache:
+                  prefix: str = "", workers_shm: int = 0, source: CacheSource | None = None) -> ImageCache:
     """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
 
     ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate.
     ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
     label cache. ``workers_shm``: bytes the node's loader workers keep in /dev/shm (``loader_shm_bytes``).
-    Must be called by every rank, with the same ``im_files`` in the same order.
+    ``source``: images that are not files (a shard index's): how to read one, what names the set, and the
+    disk cache's folder. Must be called by every rank, with the same ``im_files`` in the same order.
     """
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
     if not len(im_files):
         raise UserError("--cache: no images to cache")
     resize = resize or resize_long_side
-    hash_ = images_hash(im_files, img_size, augment)
-    folder, split = cache_folder(im_files, mode, cache_dir, path)
+    if source is None:
+        hash_, read = images_hash(im_files, img_size, augment), lambda i: _read(im_files[i])
+        folder, split = cache_folder(im_files, mode, cache_dir, path)
+    else:
+        hash_ = hashlib.sha256(f"{source.key} {img_size} augment={bool(augment)}".encode()).hexdigest()
+        read, split = source.read, source.split
+        folder = cache_folder(im_files, mode, None)[0] if mode == "ram" else source.folder
     family = _family(im_files, split, img_size, augment)
     file, index_file = _paths(folder, family, split, hash_, mode)
     cache = ImageCache(file, index_file, mode)
@@ -354,7 +361,8 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
             _check_room(need, len(im_files), img_size, folder, mode, workers_shm)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
-            _build(cache, im_files, img_size, augment, hash_, sizes, resize, num_threads or min(8, usable_cpus()))
+            _build(cache, read, len(im_files), img_size, augment, hash_, sizes, resize,
+                   num_threads or min(8, usable_cpus()))
             cache.built = True
             _remove_stale(folder, file, family, mode)
             LOGGER.info(f"{prefix}Cached {len(im_files)} images in {time.time() - t0:.1f}s")

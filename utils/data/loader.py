@@ -6,9 +6,11 @@ no padding, so every image is scored exactly once and rectangular batches match 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,7 +26,7 @@ from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
 from utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
-from utils.data.imgcache import build_or_open, loader_shm_bytes
+from utils.data.imgcache import CacheSource, build_or_open, loader_shm_bytes
 
 
 PREFETCH = 2  # batches each worker prepares ahead (the DataLoader's prefetch_factor)
@@ -188,11 +190,22 @@ def _dataset_once(info: DistInfo, cache_dir: Path | None,
     return dataset
 
 
-def _files_to_cache(dataset: LoadImagesAndLabels, cache: str, path: Any) -> None:
-    """--cache builds from the image files; a shard index has none to read."""
-    if dataset.shards is not None:
-        raise UserError(f"{path}: --cache {cache} reads images from files; a shard index is read from its shards "
-                        "(drop --cache, or train from the folder the shards were made from)")
+def _cache_source(dataset: LoadImagesAndLabels, cache_dir: Path | None) -> CacheSource | None:
+    """What --cache reads for a shard index (its images by byte range, known by the index's id and the split's
+    order); None for image files."""
+    if dataset.shards is None:
+        return None
+    index = dataset.shards
+
+    def read(i: int) -> np.ndarray | None:
+        try:
+            return dataset.read_original(i)
+        except UserError:
+            return None
+
+    key = hashlib.sha256(f"{index.meta.get('id') or index.root}\n".encode() + dataset.rows.tobytes()).hexdigest()
+    folder = Path(cache_dir if cache_dir is not None else tempfile.gettempdir()) / "yolotrain-images"
+    return CacheSource(read=read, key=key, folder=folder, split=Path(index.root).stem)
 
 
 def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),
@@ -232,10 +245,10 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
     pin = pins_by_default() if pin_memory is None else pin_memory
     if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
-        _files_to_cache(dataset, cache, path)
         dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
                                          image_hw=dataset.image_hw, path=path, prefix=prefix,
-                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS))
+                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS),
+                                         source=_cache_source(dataset, cache_dir))
     dataset.memory = BatchMemory(reuse=reuse_memory or pin, slots=SLOTS)
     dataset.render_on_device = bool(render_on_device and augment)
     if training:
