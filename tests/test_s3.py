@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from tests.conftest import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
@@ -133,6 +134,18 @@ def test_a_node_copies_the_shards_it_reads_and_then_reads_them_locally(server, t
     monkeypatch.setenv(BUDGET_ENV, "lots")
     with pytest.raises(UserError, match=f"{BUDGET_ENV}='lots': expected GiB"):
         ShardIndex.open(f"{url.replace('tiny', 'again')}/train.index")
+
+
+def test_shards_are_written_to_a_bucket_and_read_back(server, tiny_data, tmp_path, restore_logger):
+    server.fs().mkdir("made")
+    url = shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
+    local = shards.main(shards.build_parser().parse_args([str(tiny_data), str(tmp_path / "here")]))
+    for split in ("train", "val"):
+        there, here = ShardIndex.open(f"{url}/{split}.index"), ShardIndex.open(local / f"{split}.index")
+        assert there.meta == here.meta and all(there.read(i) == here.read(i) for i in range(len(here)))
+    assert yaml.safe_load(server.fs().cat_file("made/tiny/data.yaml"))["path"] == "s3://made/tiny"
+    with pytest.raises(UserError, match="s3://made/tiny: holds objects already"):
+        shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
 
 
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):

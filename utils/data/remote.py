@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import posixpath
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from utils.core.errors import UserError
@@ -87,6 +88,22 @@ def download(url: str, dest: str | os.PathLike) -> None:
     to ``read``, which retries)."""
     fs, path = _filesystem(url)
     fs.get_file(path, os.fspath(dest))
+
+
+def upload(folder: str | os.PathLike, url: str, first: Callable[[str], bool] = lambda name: True) -> None:
+    """Every file under the local ``folder`` to ``url``/<relative path>, each retried as ``read`` is: those
+    ``first`` picks, then the rest (a reader that finds the last files finds the first ones whole)."""
+    fs, _ = _filesystem(url)
+    files = sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
+    for name in [f for f in files if first(f)] + [f for f in files if not first(f)]:
+        target = join(url, name)
+        _retrying(target, lambda: fs.put_file(os.path.join(folder, name), _filesystem(target)[1]))
+
+
+def is_empty(url: str) -> bool:
+    """Whether nothing is stored under the prefix ``url``."""
+    fs, path = _filesystem(url)
+    return not _retrying(url, lambda: fs.find(path, maxdepth=1) if fs.isdir(path) else fs.exists(path))
 
 
 def _retrying(url: str, call: Callable[[], bytes]) -> bytes:

@@ -3,17 +3,20 @@
     python -m yolotrain shards data/my.yaml datasets/my-shards              # every split of the yaml
     python -m yolotrain shards images/train datasets/extra --nc 80 --split train --shard-size 512
     python train.py --data datasets/my-shards/data.yaml                     # the same training as the folder
+    python -m yolotrain shards data/my.yaml s3://my-bucket/my-shards        # made here, uploaded to a bucket
 
 Every image is verified and every label read as training's scan does, and each problem is reported the
 same way (file and reason; bad files are left out, nothing good is lost). OUT is written whole or not at
-all: everything goes to a hidden sibling folder that is renamed at the end. utils/data/shards.py says
-what the shards and the index hold.
+all: everything goes to a hidden sibling folder that is renamed at the end. A bucket prefix gets the
+folder uploaded, each split's index.json last, so a reader finds an index whole or not at all.
+utils/data/shards.py says what the shards and the index hold.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -24,7 +27,8 @@ from utils.core.logging import LOGGER, setup_logging
 from utils.data.config import load_data_config, prepare_dataset
 from utils.data.labels import describe_source, img2label_paths, require_usable, resolve_image_files, scan_labels
 from utils.data.problems import report_messages
-from utils.data.shards import INDEX_SUFFIX, discard, replace_folder, write_split
+from utils.data import remote
+from utils.data.shards import INDEX_JSON, INDEX_SUFFIX, discard, replace_folder, write_split
 
 SPLITS = ("train", "val", "test")
 
@@ -33,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m yolotrain shards", description=__doc__.splitlines()[0])
     p.add_argument("src", help="a dataset yaml (each split it names), or an image folder or .txt list (with --nc)")
     p.add_argument("out", help="the folder to write: <split>-NNNNNN.tar shards, <split>.index, and data.yaml for a "
-                               "yaml source (must not exist, or be empty)")
+                               "yaml source (must not exist, or be empty); or a bucket prefix (s3://bucket/prefix, "
+                               "empty), uploaded")
     p.add_argument("--shard-size", type=Range(int, min=1), default=1024,
                    help="start a new shard once one holds this many MiB")
     p.add_argument("--nc", type=Range(int, min=1), default=None,
@@ -55,10 +60,30 @@ def sources(opt: argparse.Namespace) -> tuple[dict[str, list], int, dict | None]
     return {opt.split: [str(src)]}, opt.nc, None
 
 
-def main(opt: argparse.Namespace) -> Path:
-    """Scan each split as training would, write its shards and index, then rename the folder into place."""
+def main(opt: argparse.Namespace) -> Path | str:
+    """Scan each split as training would, write its shards and index into OUT (a folder, renamed into place
+    whole; or a bucket prefix, uploaded shards first and each index's json last)."""
     setup_logging()
-    out = Path(opt.out)
+    if remote.is_url(opt.out):
+        url = opt.out.rstrip("/")
+        if not remote.is_empty(url):
+            raise UserError(f"{url}: holds objects already; choose a new prefix")
+        with tempfile.TemporaryDirectory() as tmp:
+            made = write(opt, Path(tmp) / "shards", url)
+            remote.upload(made, url, first=lambda name: not name.endswith((INDEX_JSON, "data.yaml")))
+            has_yaml = (made / "data.yaml").is_file()
+        LOGGER.info(f"Uploaded to {url}" + (f"; train on it: python train.py --data data.yaml, with {url}/data.yaml "
+                                            "copied here" if has_yaml else ""))
+        return url
+    out = write(opt, Path(opt.out))
+    yaml_file = out / "data.yaml"
+    LOGGER.info(f"Train on it: python train.py --data {yaml_file}" if yaml_file.is_file() else f"Wrote {out}")
+    return out
+
+
+def write(opt: argparse.Namespace, out: Path, url: str | None = None) -> Path:
+    """The shards, indexes and (for a yaml source) data.yaml in the new folder ``out``, written whole or not at
+    all; ``url``: where they will be uploaded (data.yaml's ``path``)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not empty; choose a new folder")
     splits, nc, names = sources(opt)
@@ -74,15 +99,14 @@ def main(opt: argparse.Namespace) -> Path:
             shards = sorted(tmp.glob(f"{split}-*.tar"))
             LOGGER.info(f"{split}: {len(result.img_files)} images, {result.counts['instances']} boxes, "
                         f"{result.counts['corrupt']} corrupt left out -> {len(shards)} shard(s), "
-                        f"{sum(s.stat().st_size for s in shards) / 2**20:.1f} MiB, index {out / index.name}")
+                        f"{sum(s.stat().st_size for s in shards) / 2**20:.1f} MiB, index {url or out}/{index.name}")
         if names is not None:
-            body = {**{s: f"{s}{INDEX_SUFFIX}" for s in splits}, "names": names}
+            body = {**({"path": url} if url else {}), **{s: f"{s}{INDEX_SUFFIX}" for s in splits}, "names": names}
             (tmp / "data.yaml").write_text("# made by python -m yolotrain shards from " + str(opt.src) + "\n"
                                            + yaml.safe_dump(body, sort_keys=False))
         replace_folder(tmp, out)
     finally:
         discard(tmp)
-    LOGGER.info(f"Train on it: python train.py --data {out / 'data.yaml'}" if names is not None else f"Wrote {out}")
     return out
 
 
