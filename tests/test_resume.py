@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_env
+from yolotrain.app import shards
 
 pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'` skips them
 
@@ -92,6 +93,18 @@ def _assert_same_run(a: dict, b: dict) -> None:
         different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
         assert not different, f"{key}: {len(different)} tensors differ, e.g. {different[:3]}"
     assert a["metrics"] == b["metrics"]
+
+
+def test_a_run_from_shards_killed_and_resumed_is_the_folder_run(tiny_data, tmp_path, reference):
+    """SIGKILL after the first checkpoint of a run reading a shard index, then --resume: the same bits as the
+    undisturbed run from the folder the shards were made from."""
+    data = shards.main(shards.build_parser().parse_args([str(tiny_data), str(tmp_path / "shards")])) / "data.yaml"
+    resumes_from = _train_and_kill([sys.executable], data, tmp_path, "cut")
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert resumes_from in p.stdout and "(from the shard index)" in p.stdout
+    _assert_same_run(reference("1-process"), torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True))
 
 
 @pytest.mark.parametrize("kind", LAUNCHERS)

@@ -216,3 +216,37 @@ def test_training_from_a_bucket_is_training_from_the_folder(server, tiny_data, t
     for part in ("model", "ema"):
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
     assert a["metrics"] == b["metrics"]
+
+
+@pytest.mark.slow
+def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_data, tmp_path, restore_logger):
+    """Two torchrun agents on this machine as two nodes of one rank each, each with its own node disk, train from
+    the bucket: the same last.pt as two ranks on one node from the folder, and each node fetched its own copy."""
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url = _upload(server, out, "data", "tiny")
+    yaml_file = tmp_path / "s3.yaml"
+    yaml_file.write_text(f"path: {url}\ntrain: train.index\nval: val.index\n"
+                         "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
+    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
+             "4", "--workers", "0", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
+    env = {**run_env(), **server.env, "HOME": os.environ["HOME"]}
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    port = _free_port()
+    jobs = [subprocess.Popen([*run, "--standalone", "--nproc_per_node", "2", "train.py", "--data", str(tiny_data),
+                              *flags, "--name", "folder"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)]
+    assert jobs[0].wait(timeout=600) == 0, jobs[0].stdout.read()[-3000:]
+    jobs = [subprocess.Popen([*run, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
+                              "127.0.0.1", "--master_port", str(port), "train.py", "--data", str(yaml_file), *flags,
+                              "--name", "s3", "--cache-dir", str(tmp_path / f"node{node}")], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in jobs]
+    assert [p.returncode for p in jobs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    for node in (0, 1):
+        assert len(list((tmp_path / f"node{node}" / "yolotrain-indexes").iterdir())) == 2  # train's and val's
+    a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "s3"))
+    assert a["world_size"] == b["world_size"] == 2
+    for part in ("model", "ema"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+    assert a["metrics"] == b["metrics"]
