@@ -187,3 +187,14 @@ def test_cache_ram_and_disk_hold_a_shard_index_s_images(tmp_path, mode, restore_
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, got))
     finally:
         release_ram_caches(0, cached.dataset.imgcache, wait=False)
+
+
+def test_a_file_url_goes_through_the_object_storage_layer(tmp_path, restore_logger):
+    pytest.importorskip("fsspec", reason="pip install -r requirements-s3.txt")
+    out = _make(_folder(tmp_path / "src", 3), tmp_path / "out", "--nc", "1")
+    local = ShardIndex.open(out / "train.index")
+    there = ShardIndex.open(f"file://{out}/train.index", cache_dir=tmp_path / "node")
+    assert there.cache is not None and all(there.read(i) == local.read(i) for i in range(len(local)))
+    there.cache.wait()  # the node's copy of the shard, as from a bucket
+    assert (tmp_path / "node" / "yolotrain-shards" / local.meta["id"] / "train-000000.tar").read_bytes() == (
+        out / "train-000000.tar").read_bytes()
