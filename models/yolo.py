@@ -50,11 +50,14 @@ class Model(nn.Module):
         nc: int | None = None,
         anchors: list[list[float]] | None = None,
         na: int | None = None,
+        label: str | None = None,
     ) -> None:
         """``na`` (anchors per level, YOLOv5's hyp ``anchors``) resamples the yaml's (or the
-        ``anchors`` override's) anchors to that count: placeholders that autoanchor then fits."""
+        ``anchors`` override's) anchors to that count: placeholders that autoanchor then fits.
+        ``label``: where a ``cfg`` dict was read from, for messages."""
         super().__init__()
         d, source = load_model_yaml(cfg)
+        source = label or source
         d["ch"] = d.get("ch", ch)
         _apply_overrides(d, source, nc, anchors, na)
         self.yaml: dict[str, Any] = d

@@ -70,6 +70,23 @@ def test_each_model_yaml_gets_its_family_recipe(model, family, hyp, space):
     assert (recipe.hyp.name, recipe.space.name, recipe.autoanchor) == (hyp, space, family == "anchor-based")
 
 
+def test_a_run_reads_its_model_yaml_once(monkeypatch):
+    """resolve_model reads the yaml; the recipe and the builder take what it read (with its file named in
+    messages)."""
+    import models.parse
+    from models.yolo import Model
+    from utils.engine.config import resolve_model
+    from yolotrain.app import train
+
+    reads = []
+    real = models.parse.yaml.safe_load
+    monkeypatch.setattr(models.parse.yaml, "safe_load", lambda text: reads.append(1) or real(text))
+    source = resolve_model(train.build_parser().parse_args(["--cfg", "yolov8n.yaml"]))
+    model = Model(source.yaml, nc=2, label=source.label)
+    assert len(reads) == 1 and source.recipe.family == "anchor-free" and model.source.endswith("yolov8.yaml")
+    assert model.yaml["scale"] == "n"
+
+
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     from utils.engine.recipe import AUTO_SGD_ITERATIONS, E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX, RECIPES
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.parse import MODELS_DIR
+from models.parse import MODELS_DIR, load_model_yaml
 from utils.core import dist, precision
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
@@ -58,13 +58,16 @@ class ModelSource:
     cfg: str | Path | dict
     weights: WeightsSource | None
     recipe: Recipe
+    yaml: dict  # the model yaml as read (models/parse.py: load_model_yaml), which the builders take
+    label: str  # where it came from, for messages
 
 
 def resolve_model(args: argparse.Namespace) -> ModelSource:
-    """Read --weights (once) and find the model yaml and its family's recipe."""
+    """Read --weights and the model yaml (once each) and find its family's recipe."""
     weights = load_weights_source(args.weights) if args.weights else None
     cfg = args.cfg or (weights.model_yaml if weights else DEFAULT_MODEL)
-    return ModelSource(cfg, weights, recipe_for(cfg))
+    d, label = load_model_yaml(cfg)
+    return ModelSource(cfg, weights, recipe_for(d), d, label)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
     batch = args.batch_size
     if batch == AUTO_BATCH:
-        batch = auto_batch_size(saved.model_yaml if saved else model.cfg, _classes(args), load_hyp(hyp), args,
+        batch = auto_batch_size(saved.model_yaml if saved else model.yaml, _classes(args), load_hyp(hyp), args,
                                 device, info.world_size, amp, channels_last)
     val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
     dist.per_rank_batch(val_batch, info, "--val-batch-size")

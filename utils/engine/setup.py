@@ -172,7 +172,7 @@ def build_model(opt: RunConfig, saved: SavedRun | None, source: ModelSource | No
         model = Model(saved.model_yaml)
         model.load_state_dict(saved.model_weights)
     else:
-        model = Model(source.cfg, nc=nc, anchors=anchors, na=na)
+        model = Model(source.yaml, nc=nc, anchors=anchors, na=na, label=source.label)
         if source.weights:
             transfer_weights(model, source.weights.weights, opt.weights)
     model = model.to(device)
