@@ -26,7 +26,7 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import cv2
 
-from data.shapes import generate_shapes
+from utils.data.shapes import generate_shapes
 from utils.data.augment import resize_long_side
 from utils.core.cli import ArgumentParser, Range
 from utils.data.imgcache import build_or_open

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
+from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
 from utils.core.cli import ArgumentParser, Range  # noqa: E402
 from utils.core.dist import DistInfo  # noqa: E402
 from utils.core.hyp import Hyp  # noqa: E402

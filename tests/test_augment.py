@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.shapes import generate_shapes
+from utils.data.shapes import generate_shapes
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
 from utils.data.augment import box_candidates, mixup, random_perspective, resized_hw, resized_hw_all

@@ -185,7 +185,7 @@ def test_torchrun_every_rank_refuses(tmp_path):
     out = p.stdout + p.stderr
     assert out.count("ERROR: argument --batch-size: must be an integer >= 1, or -1 for AutoBatch, got '0'") == 2, out[-3000:]
     # torchrun's launcher prints its own ChildFailedError report; no frame may come from our code
-    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
+    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models")]
     assert not any(frame in out for frame in ours)
     assert not (tmp_path / "runs").exists()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.shapes import generate_shapes
+from utils.data.shapes import generate_shapes
 from utils.core.hyp import Hyp
 from utils.data.batch import BatchMemory
 from utils.data.dataset import LoadImagesAndLabels, SampleKey

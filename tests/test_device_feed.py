@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.shapes import generate_shapes
+from utils.data.shapes import generate_shapes
 from utils.core.hyp import Hyp
 from utils.data.device_feed import batch_images, on_device
 from utils.data.loader import create_dataloader

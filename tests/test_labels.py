@@ -364,5 +364,5 @@ def test_torchrun_refuses_a_split_without_labels_on_every_rank(tmp_path):
     assert p.returncode != 0 and time.time() - t0 < 200, out[-3000:]
     assert out.count("no label file found for any of its 6 images") >= 2  # rank 0's and rank 1's own message
     assert "[rank 1] ERROR: " in out and "local rank 0 failed" not in out
-    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models", "data")]
+    ours = [f'File "{ROOT / name}' for name in ("train.py", "val.py", "utils", "models")]
     assert not any(frame in out for frame in ours) and "UserError" not in out

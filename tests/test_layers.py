@@ -10,21 +10,18 @@ ORDER = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "u
          "utils.infer", "yolotrain.app", "yolotrain")  # each may import those before it; infer skips engine
 ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
            "utils.weights": {"utils.core", "models", "utils.weights"},
-           "utils.data": {"utils.core", "models", "utils.weights", "utils.data", "data"},
-           "utils.eval": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval"},
-           "utils.engine": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
-                            "utils.engine"},
-           "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "data", "utils.eval",
-                           "utils.infer"},
-           "data": {"utils.core", "data"}}
-ALLOWED["yolotrain.app"] = {*ORDER[:-1], "data"}  # the tools: the whole library, never the API above them
-ALLOWED["yolotrain"] = {*ORDER, "data"}  # the Python API and python -m yolotrain
+           "utils.data": {"utils.core", "models", "utils.weights", "utils.data"},
+           "utils.eval": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval"},
+           "utils.engine": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine"},
+           "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.infer"}}
+ALLOWED["yolotrain.app"] = set(ORDER[:-1])  # the tools: the whole library, never the API above them
+ALLOWED["yolotrain"] = set(ORDER)  # the Python API and python -m yolotrain
 CLIS = ("train", "val", "detect", "export", "tune")  # the root scripts: each only calls its tool's cli()
 APPS = sorted((ROOT / "yolotrain").rglob("*.py"))
 
 
 def _layer(module: str) -> str | None:
-    for name in sorted((*ORDER, "data"), key=len, reverse=True):  # yolotrain.app before yolotrain
+    for name in sorted(ORDER, key=len, reverse=True):  # yolotrain.app before yolotrain
         if module == name or module.startswith(name + "."):
             return name
     return "cli" if module in CLIS else None
@@ -48,7 +45,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _library_files() -> list[Path]:
-    return sorted(p for d in ("utils", "models", "data", "yolotrain") for p in (ROOT / d).rglob("*.py"))
+    return sorted(p for d in ("utils", "models", "yolotrain") for p in (ROOT / d).rglob("*.py"))
 
 
 def _module(path: Path) -> str:
@@ -118,6 +115,6 @@ def test_the_root_scripts_only_run_their_tool():
 
 def test_nothing_imports_a_root_script():
     """The API, tune, the tests and the benches import the tools from yolotrain.app, never a script."""
-    files = [p for d in ("utils", "models", "data", "yolotrain", "tests", "bench") for p in (ROOT / d).rglob("*.py")]
+    files = [p for d in ("utils", "models", "yolotrain", "tests", "bench") for p in (ROOT / d).rglob("*.py")]
     wrong = [f"{p.relative_to(ROOT)} imports {m}" for p in files for m, _ in _imports(p) if m in CLIS]
     assert files and wrong == []

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
+from utils.data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
 from utils.core.errors import UserError
 
 

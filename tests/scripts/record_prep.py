@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-import data.shapes
+import utils.data.shapes
 from yolotrain.app import train
 import utils.data.labelcache
 import utils.engine.hooks
@@ -29,7 +29,7 @@ def _wrap(event, fn, describe=lambda *a, **k: {}):
     return wrapped
 
 
-data.shapes._swap_in = _wrap("generate", data.shapes._swap_in)  # called only when a dataset was generated
+utils.data.shapes._swap_in = _wrap("generate", utils.data.shapes._swap_in)  # called only when a dataset was generated
 # load_or_scan looks scan_labels up in its own module
 utils.data.labelcache.scan_labels = _wrap("scan", utils.data.labelcache.scan_labels,
                                           lambda files, *a, **k: {"n": len(files)})

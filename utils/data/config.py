@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.shapes import GENERATORS  # explicit registry, never eval
+from utils.data.shapes import GENERATORS  # explicit registry, never eval
 from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
