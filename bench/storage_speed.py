@@ -30,6 +30,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
+from bench.loader_speed import epochs  # noqa: E402
 from utils.core.cli import ArgumentParser, Range  # noqa: E402
 from utils.core.dist import DistInfo  # noqa: E402
 from utils.core.hyp import Hyp  # noqa: E402
@@ -118,15 +119,6 @@ def loader_rate(split: str, nc: int, opt: argparse.Namespace, workers: int, cach
     rate = n / (time.perf_counter() - t0)
     del it, loader
     return rate
-
-
-def epochs(loader):
-    """The loader's batches epoch after epoch (a small set runs out before the timed batches do)."""
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def timed(fn):

@@ -194,34 +194,8 @@ def test_a_store_back_within_the_patience_serves_the_read(server, tiny_data, tmp
     assert capsys.readouterr().out.count("retrying with backoff") <= 1  # s3fs's own retries may cover a short outage
 
 
-@pytest.mark.slow
-def test_training_from_a_bucket_is_training_from_the_folder(server, tiny_data, tmp_path, restore_logger):
-    out = tmp_path / "shards"
-    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
-    url = _upload(server, out, "data", "tiny")
-    yaml = tmp_path / "s3.yaml"
-    yaml.write_text(f"path: {url}\ntrain: train.index\nval: val.index\n"
-                    "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
-    flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
-             "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs"),
-             "--cache-dir", str(tmp_path / "node-disk")]  # the label cache's and the index copy's node-local folder
-    env = {**run_env(), **server.env, "HOME": os.environ["HOME"]}
-    for name, data in (("folder", tiny_data), ("s3", yaml)):
-        p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert f"Scanning {url}/train.index" in p.stdout and "(from the shard index)" in p.stdout
-    assert len(list((tmp_path / "node-disk" / "yolotrain-indexes").iterdir())) == 2  # train's and val's, mapped
-    a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "s3"))
-    for part in ("model", "ema"):
-        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
-    assert a["metrics"] == b["metrics"]
-
-
-@pytest.mark.slow
-def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_data, tmp_path, restore_logger):
-    """Two torchrun agents on this machine as two nodes of one rank each, each with its own node disk, train from
-    the bucket: the same last.pt as two ranks on one node from the folder, and each node fetched its own copy."""
+def _bucket_training(server: Server, tiny_data: Path, tmp_path: Path, workers: int) -> tuple[str, Path, list, dict]:
+    """The tiny set as shards in the bucket: (its URL, a data yaml naming it, train.py's flags, the environment)."""
     out = tmp_path / "shards"
     shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
     url = _upload(server, out, "data", "tiny")
@@ -229,14 +203,40 @@ def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_da
     yaml_file.write_text(f"path: {url}\ntrain: train.index\nval: val.index\n"
                          "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
     flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
-             "4", "--workers", "0", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
-    env = {**run_env(), **server.env, "HOME": os.environ["HOME"]}
-    run = [sys.executable, "-m", "torch.distributed.run"]
-    port = _free_port()
-    jobs = [subprocess.Popen([*run, "--standalone", "--nproc_per_node", "2", "train.py", "--data", str(tiny_data),
-                              *flags, "--name", "folder"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)]
-    assert jobs[0].wait(timeout=600) == 0, jobs[0].stdout.read()[-3000:]
+             "4", "--workers", str(workers), "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
+    return url, yaml_file, flags, {**run_env(), **server.env, "HOME": os.environ["HOME"]}
+
+
+def _assert_same_weights(runs: Path, a: str, b: str) -> dict:
+    ca, cb = (torch.load(runs / n / "weights" / "last.pt", weights_only=True) for n in (a, b))
+    for part in ("model", "ema"):
+        assert all(torch.equal(ca[part][k], cb[part][k]) for k in ca[part])
+    assert ca["metrics"] == cb["metrics"]
+    return ca
+
+
+@pytest.mark.slow
+def test_training_from_a_bucket_is_training_from_the_folder(server, tiny_data, tmp_path, restore_logger):
+    url, yaml_file, flags, env = _bucket_training(server, tiny_data, tmp_path, workers=1)
+    flags += ["--cache-dir", str(tmp_path / "node-disk")]  # the label cache's and the index copy's node-local folder
+    for name, data in (("folder", tiny_data), ("s3", yaml_file)):
+        p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert f"Scanning {url}/train.index" in p.stdout and "(from the shard index)" in p.stdout
+    assert len(list((tmp_path / "node-disk" / "yolotrain-indexes").iterdir())) == 2  # train's and val's, mapped
+    _assert_same_weights(tmp_path / "runs", "folder", "s3")
+
+
+@pytest.mark.slow
+def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_data, tmp_path, restore_logger):
+    """Two torchrun agents on this machine as two nodes of one rank each, each with its own node disk, train from
+    the bucket: the same last.pt as two ranks on one node from the folder, and each node fetched its own copy."""
+    _, yaml_file, flags, env = _bucket_training(server, tiny_data, tmp_path, workers=0)
+    run, port = [sys.executable, "-m", "torch.distributed.run"], _free_port()
+    p = subprocess.run([*run, "--standalone", "--nproc_per_node", "2", "train.py", "--data", str(tiny_data), *flags,
+                        "--name", "folder"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     jobs = [subprocess.Popen([*run, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
                               "127.0.0.1", "--master_port", str(port), "train.py", "--data", str(yaml_file), *flags,
                               "--name", "s3", "--cache-dir", str(tmp_path / f"node{node}")], cwd=ROOT, env=env,
@@ -245,8 +245,4 @@ def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_da
     assert [p.returncode for p in jobs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     for node in (0, 1):
         assert len(list((tmp_path / f"node{node}" / "yolotrain-indexes").iterdir())) == 2  # train's and val's
-    a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "s3"))
-    assert a["world_size"] == b["world_size"] == 2
-    for part in ("model", "ema"):
-        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part])
-    assert a["metrics"] == b["metrics"]
+    assert _assert_same_weights(tmp_path / "runs", "folder", "s3")["world_size"] == 2
