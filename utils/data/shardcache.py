@@ -1,20 +1,21 @@
 """A node's local copy of the remote shards it trains from, filled in the background while reads go on.
 
 Reading an image from object storage is one byte-range request, which costs the store's latency every time.
-The first read from a shard starts a copy of the whole shard (one request) into a folder on this node's disk,
-in a background thread of the process that read it; until the copy is there, reads stay byte-range requests,
-after it they are local reads of the same bytes. One process per node copies a given shard (an exclusive
-lock file beside it); a copy is written to a temporary name and renamed, so a reader sees a whole shard or
-none.
+The first read from a shard queues a copy of the whole shard (one request) into a folder on this node's
+disk, made by a background thread of the process that read it, one copy at a time; until the copy is
+there, reads stay byte-range requests, after it they are local reads of the same bytes. One process per
+node copies a given shard (an exclusive lock file beside it); a copy is written to a temporary name and
+renamed, so a reader sees a whole shard or none.
 
-The budget: ``YOLOTRAIN_SHARD_CACHE_GB`` caps the size of the node's copies, all indexes together (0 turns them
-off); unset, copies go on while the disk keeps a tenth of its size (at least 1 GiB) free. Nothing is evicted: once full, the shards not
-copied are read by range, as without the cache.
+The budget: ``YOLOTRAIN_SHARD_CACHE_GB`` caps the size of the node's copies, all indexes together (0 turns
+them off); unset, copies go on while the disk keeps a tenth of its size (at least 1 GiB) free. Nothing is
+evicted: once full, the shards not copied are read by range, as without the cache.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import queue
 import shutil
 import threading
 from pathlib import Path
@@ -48,8 +49,7 @@ class ShardCache:
 
     def __init__(self, folder: Path, budget: int | None) -> None:
         self.folder, self.budget = folder, budget
-        self._started: dict[str, threading.Thread] = {}  # this process's copies, by shard URL
-        self._lock = threading.Lock()
+        self._pid: int | None = None  # the process the copier below belongs to (a forked worker makes its own)
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned loader worker starts with no copies of its own
         return {"folder": self.folder, "budget": self.budget}
@@ -58,22 +58,32 @@ class ShardCache:
         self.__init__(state["folder"], state["budget"])
 
     def local(self, url: str, nbytes: int | None) -> Path | None:
-        """The shard's local copy when this node has it whole; else None, after starting its copy (``nbytes``
-        long, when the index says) in the background unless this process started one already."""
+        """The shard's local copy when this node has it whole; else None, after queueing its copy (``nbytes``
+        long, when the index says) unless this process queued it already."""
         path = self.folder / url.rsplit("/", 1)[-1]
         if path.is_file():
             return path
-        with self._lock:
-            if url in self._started:
-                return None
-            self._started[url] = t = threading.Thread(target=self._copy, args=(url, path, nbytes), daemon=True)
-        t.start()
+        if self._pid != os.getpid():  # first use in this process: a fork's copy of the parent's queue is no use
+            self._pid, self._queued, self._queue = os.getpid(), set(), queue.Queue()
+            threading.Thread(target=self._copier, daemon=True).start()
+        if url not in self._queued:  # only this process's reading thread queues
+            self._queued.add(url)
+            self._queue.put((url, path, nbytes))
         return None
 
     def wait(self) -> None:
-        """Until this process's copies have finished (or failed)."""
-        for t in list(self._started.values()):
-            t.join()
+        """Until this process's queued copies have finished (or failed)."""
+        if self._pid == os.getpid():
+            self._queue.join()
+
+    def _copier(self) -> None:
+        """One copy at a time per process: the node copies as many shards at once as it has reading processes."""
+        while True:
+            url, path, nbytes = self._queue.get()
+            try:
+                self._copy(url, path, nbytes)
+            finally:
+                self._queue.task_done()
 
     def _copy(self, url: str, path: Path, nbytes: int | None) -> None:
         try:
