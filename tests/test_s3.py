@@ -171,26 +171,74 @@ def test_a_store_gone_stops_with_the_object_and_the_endpoint(server, tiny_data, 
     assert capsys.readouterr().out.count("retrying with backoff") == 1  # logged once
 
 
+class Endpoint:
+    """A TCP relay on its own port in front of the server: closing it is the store going away (connections
+    refused, those open cut), opening it again the same store coming back with its objects (moto keeps them in
+    memory, so restarting moto itself would bring back an empty store)."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.port, self.open_sockets = target, _free_port(), []
+        self.listener: socket.socket | None = None
+
+    def open(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def close(self) -> None:
+        for sock in [self.listener, *self.open_sockets]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.open_sockets = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.open_sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
 def test_a_store_back_within_the_patience_serves_the_read(server, tiny_data, tmp_path, monkeypatch, capsys,
                                                          restore_logger):
     out = tmp_path / "shards"
     shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url = _upload(server, out, "data", "tiny")
+    endpoint = Endpoint(server.port)
+    endpoint.open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{endpoint.port}")
     monkeypatch.setenv(BUDGET_ENV, "0")  # every read a range request to the store
-    index = ShardIndex.open(f"{_upload(server, out, 'data', 'tiny')}/val.index")
-    server.stop()  # gone mid-epoch, back (with its objects) a few seconds later
-
-    def come_back() -> None:
-        time.sleep(3)
-        server.start()
-        _upload(server, out, "data", "tiny")
-
-    back = threading.Thread(target=come_back)
-    back.start()
     monkeypatch.setenv(remote.PATIENCE_ENV, "120")
+    index = ShardIndex.open(f"{url}/val.index")
+    assert index.read(0) == ShardIndex.open(out / "val.index").read(0)
+    endpoint.close()  # gone mid-epoch, back with its objects a few seconds later
+    back, started = threading.Timer(4, endpoint.open), time.monotonic()
+    back.start()
     try:
         assert index.read(1) == ShardIndex.open(out / "val.index").read(1)
+        assert time.monotonic() - started > 3.5  # served once the store was back, not before
     finally:
         back.join()
+        endpoint.close()
     assert capsys.readouterr().out.count("retrying with backoff") <= 1  # s3fs's own retries may cover a short outage
 
 
