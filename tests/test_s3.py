@@ -187,6 +187,7 @@ class Endpoint:
     def close(self) -> None:
         for sock in [self.listener, *self.open_sockets]:
             try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept or recv, which close alone does not
                 sock.close()
             except OSError:
                 pass
