@@ -115,12 +115,16 @@ class TrainSampler(Sampler):
         if not self.n:
             return iter(())
         perm = self.permutation()
-        positions = self.positions()[self.skip:]
-        indices = perm[positions % self.n]
+        places = (self.positions()[self.skip:] % self.n).tolist()
         if not (mosaic and self.pool > 1):
-            return (SampleKey(epoch, int(i), mosaic) for i in indices)
-        pools = self.pools(perm, positions)
-        return (SampleKey(epoch, int(i), mosaic, tuple(pool.tolist())) for i, pool in zip(indices, pools))
+            return (SampleKey(epoch, int(perm[q]), mosaic) for q in places)
+        return (SampleKey(epoch, int(perm[q]), mosaic, self._pool(perm, q)) for q in places)
+
+    def _pool(self, perm: np.ndarray, q: int) -> tuple[int, ...]:
+        """``pools`` for one place ``q`` of the permutation (a key's pool, made when the key is)."""
+        size = min(self.pool, self.n)
+        start = min(q // size * size, self.n - size)
+        return tuple(perm[start:start + size][np.arange(size) != q - start].tolist())
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
