@@ -109,6 +109,14 @@ def test_shapes_from_the_label_scan_are_used(images, shm, monkeypatch):
     assert np.array_equal(cache.get(5)[0], _uncached(images[5], 64, False)[0])
 
 
+def test_an_image_unreadable_at_build_time_is_left_to_the_dataset(images, shm):
+    image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
+    Path(images[2]).write_bytes(b"not a picture any more")  # broken after the scan recorded its size
+    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
+    assert cache.meta["uncached"] == 1 and cache.get(2) is None
+    assert np.array_equal(cache.get(3)[0], _uncached(images[3], 64, False)[0])
+
+
 def test_wrong_header_size_falls_back_to_disk(images, shm):
     image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
     image_hw[1] = (10, 10)  # a lying header: this image is left to the dataset's own read

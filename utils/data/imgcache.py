@@ -40,7 +40,7 @@ from utils.core.dist import barrier, torch_distributed_zero_first
 from utils.core.errors import UserError
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
-from utils.data.augment import resize_long_side, resized_hw
+from utils.data.augment import resize_long_side, resized_hw_all
 from utils.data.images import read_image_bgr
 from utils.data.labelcache import cache_paths, files_hash
 from utils.data.labels import img2label_paths
@@ -53,12 +53,12 @@ CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max at its root (a container's own
 MARGIN_FRACTION, MARGIN_BYTES = 0.10, 256 * 2**20  # left free after the cache: the OS and training need room
 
 ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
-ReadFn = Callable[[int], "np.ndarray | None"]  # image i as decoded BGR, None when unreadable
+ReadFn = Callable[[int], np.ndarray]  # image i decoded (BGR); a UserError when it cannot be
 
 
 @dataclass(frozen=True)
 class CacheSource:
-    """Images that are not files (a shard index's): ``read(i)`` decodes image i (None when unreadable), ``key``
+    """Images that are not files (a shard index's): ``read(i)`` decodes image i (a UserError if it cannot), ``key``
     names the set and its order (the cache's hash), ``folder`` holds a disk cache, ``split`` names it."""
 
     read: ReadFn
@@ -204,9 +204,8 @@ class ImageCache:
         return int(self.meta["n"])
 
     def get(self, i: int) -> tuple[np.ndarray, tuple[int, int]] | None:
-        """Image ``i`` (BGR, long side img_size) as a writable copy, since augmentation works in place, and its
-        original (h, w); None for an image not cached at build time (unreadable, or its size disagreed with its
-        header), which the dataset then reads itself and so reports."""
+        """Image ``i`` (BGR, long side img_size; a writable copy: augmentation works in place) and its original
+        (h, w); None for one the build could not hold (unreadable, or not its header's size): the dataset reads it."""
         if self._data is None:
             self._open()
         off, h, w, h0, w0 = (int(v) for v in self._index[i])  # type: ignore[index]
@@ -263,11 +262,16 @@ def _check_room(need: int, n: int, img_size: int, folder: Path, mode: str, worke
                         f"{where} ({_gb(margin)} must stay free{loaders}); use {other}")
 
 
+def _cached_hw(image_hw: np.ndarray, img_size: int) -> np.ndarray:
+    """(n, 2) each image's size in the cache (``resized_hw_all``), (0, 0) where no size is known."""
+    hw = np.asarray(image_hw, np.int64).reshape(-1, 2)
+    return np.where((hw > 0).all(1, keepdims=True), resized_hw_all(np.maximum(hw, 1), img_size), 0)
+
+
 def _build(cache: ImageCache, read: ReadFn, n: int, img_size: int, augment: bool, hash_: str,
            image_hw: np.ndarray, resize: ResizeFn, num_threads: int) -> None:
     """Decode + resize every image in threads into a preallocated temp .npy, then rename it and the index in."""
-    hw = np.array([resized_hw(int(h), int(w), img_size) if w > 0 and h > 0 else (0, 0)
-                   for h, w in image_hw], dtype=np.int64).reshape(-1, 2)
+    hw = _cached_hw(image_hw, img_size)
     nbytes_each = hw[:, 0] * hw[:, 1] * 3
     offsets = np.concatenate([[0], np.cumsum(nbytes_each)[:-1]]).astype(np.int64)
     total = int(nbytes_each.sum())
@@ -279,8 +283,9 @@ def _build(cache: ImageCache, read: ReadFn, n: int, img_size: int, augment: bool
         data = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(max(total, 1),))
 
         def one(i: int) -> None:
-            img = read(i)
-            if img is None:
+            try:
+                img = read(i)
+            except UserError:
                 index[i, 0] = -1  # left to the uncached path, which reports it
                 return
             out = resize(img, img_size, augment)
@@ -326,19 +331,17 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
                   prefix: str = "", workers_shm: int = 0, source: CacheSource | None = None) -> ImageCache:
     """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
 
-    ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate.
-    ``path`` is the dataset source (as given to the label scan) so --cache disk lands next to the
-    label cache. ``workers_shm``: bytes the node's loader workers keep in /dev/shm (``loader_shm_bytes``).
-    ``source``: images that are not files (a shard index's): how to read one, what names the set, and the
-    disk cache's folder. Must be called by every rank, with the same ``im_files`` in the same order.
-    """
+    ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate. ``path`` is
+    the dataset source (as given to the label scan) so --cache disk lands next to the label cache.
+    ``workers_shm``: bytes the node's loader workers keep in /dev/shm (``loader_shm_bytes``). ``source``: images
+    that are not files (a shard index's). Every rank calls it, with the same ``im_files`` in the same order."""
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
     if not len(im_files):
         raise UserError("--cache: no images to cache")
     resize = resize or resize_long_side
     if source is None:
-        hash_, read = images_hash(im_files, img_size, augment), lambda i: _read(im_files[i])
+        hash_, read = images_hash(im_files, img_size, augment), lambda i: read_image_bgr(im_files[i])
         folder, split = cache_folder(im_files, mode, cache_dir, path)
     else:
         hash_ = hashlib.sha256(f"{source.key} {img_size} augment={bool(augment)}".encode()).hexdigest()
@@ -356,8 +359,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
             sizes = header_hw(im_files) if image_hw is None else np.asarray(image_hw, dtype=np.int64).reshape(-1, 2)
             if len(sizes) != len(im_files):
                 raise ValueError(f"image_hw has {len(sizes)} rows for {len(im_files)} images")
-            need = sum(h * w * 3 for h, w in (resized_hw(int(h), int(w), img_size)
-                                              for h, w in sizes if w > 0 and h > 0))
+            need = int(_cached_hw(sizes, img_size).prod(1).sum()) * 3
             _check_room(need, len(im_files), img_size, folder, mode, workers_shm)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
@@ -391,10 +393,3 @@ def release_ram_caches(local_rank: int, *caches: "ImageCache | None", wait: bool
             if cache is not None and cache.mode == "ram":
                 cache.remove()
 
-
-def _read(path: str) -> np.ndarray | None:
-    """The loader's decoder (EXIF, alpha, 16-bit, CMYK, truncated JPEGs), None when unreadable."""
-    try:
-        return read_image_bgr(path)
-    except UserError:
-        return None

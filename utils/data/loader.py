@@ -10,7 +10,6 @@ import hashlib
 import math
 import os
 import signal
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +26,7 @@ from utils.core.logging import LOGGER
 from utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
 from utils.data.imgcache import CacheSource, build_or_open, loader_shm_bytes
+from utils.data.shards import node_folder
 
 
 PREFETCH = 2  # batches each worker prepares ahead (the DataLoader's prefetch_factor)
@@ -97,16 +97,6 @@ class TrainSampler(Sampler):
         per_rank = np.minimum(g, self.total_size - first) // self.world_size
         return p[(p - first) // per_rank == self.rank]
 
-    def pools(self, perm: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """(k, pool - 1) each position's mosaic pool: the other images of its block of ``pool`` places of the
-        permutation (a padded place repeats its original's; the last block is the permutation's last ``pool``)."""
-        size = min(self.pool, self.n)
-        q = positions % self.n
-        start = np.minimum(q // size * size, self.n - size)
-        block = start[:, None] + np.arange(size)
-        others = block[block != q[:, None]].reshape(len(q), size - 1)
-        return perm[others]
-
     def __iter__(self) -> Iterator[SampleKey]:
         """The epoch's order is array work; each key is made as the loader asks for it (a split of millions
         starts its epoch without a Python step per sample)."""
@@ -121,7 +111,9 @@ class TrainSampler(Sampler):
         return (SampleKey(epoch, int(perm[q]), mosaic, self._pool(perm, q)) for q in places)
 
     def _pool(self, perm: np.ndarray, q: int) -> tuple[int, ...]:
-        """``pools`` for one place ``q`` of the permutation (a key's pool, made when the key is)."""
+        """The mosaic pool of place ``q`` of the permutation: the other images of its block of ``pool`` places
+        (a padded place has its original's; the last block is the permutation's last ``pool``), made when the
+        key is."""
         size = min(self.pool, self.n)
         start = min(q // size * size, self.n - size)
         return tuple(perm[start:start + size][np.arange(size) != q - start].tolist())
@@ -200,16 +192,9 @@ def _cache_source(dataset: LoadImagesAndLabels, cache_dir: Path | None) -> Cache
     if dataset.shards is None:
         return None
     index = dataset.shards
-
-    def read(i: int) -> np.ndarray | None:
-        try:
-            return dataset.read_original(i)
-        except UserError:
-            return None
-
     key = hashlib.sha256(f"{index.meta.get('id') or index.root}\n".encode() + dataset.rows.tobytes()).hexdigest()
-    folder = Path(cache_dir if cache_dir is not None else tempfile.gettempdir()) / "yolotrain-images"
-    return CacheSource(read=read, key=key, folder=folder, split=Path(index.root).stem)
+    folder = node_folder(cache_dir) / "yolotrain-images"
+    return CacheSource(read=dataset.read_original, key=key, folder=folder, split=Path(index.root).stem)
 
 
 def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),

@@ -20,9 +20,9 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -131,8 +131,7 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
 
 def save_index(index: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
     """Write an index folder: each of ARRAYS as .npy and ``meta`` (nc, shards, shard_bytes, suffixes, counts, msgs)
-    as json,
-    with the arrays' content hash as its ``id`` (what a node's local copy of a remote index is known by)."""
+    as json, with the arrays' content hash as its ``id`` (what a node's local copy of a remote index is known by)."""
     index.mkdir()
     digest = hashlib.sha256()
     for name in ARRAYS:
@@ -201,7 +200,7 @@ class ShardIndex:
             raise UserError(f"{root}: made for {meta.get('nc')} classes, the dataset yaml has {nc}")
         folder, cache = Path(root), None
         if remote.is_url(root):
-            node = Path(cache_dir if cache_dir is not None else tempfile.gettempdir())
+            node = node_folder(cache_dir)
             folder = local_copy(root, meta, node / "yolotrain-indexes")
             cache = ShardCache(node / "yolotrain-shards" / meta["id"], budget_bytes()) if meta.get("id") else None
         try:
@@ -274,6 +273,12 @@ def index_meta(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
                         "make it again with python -m yolotrain shards")
     return meta
+
+
+def node_folder(cache_dir: str | Path | None) -> Path:
+    """Where this node keeps its copies of a shard index's arrays, shards and cached images: --cache-dir
+    (node-local disk) when given, else the temp folder."""
+    return Path(cache_dir if cache_dir is not None else tempfile.gettempdir())
 
 
 def local_copy(root: str, meta: dict[str, Any], base: Path) -> Path | None:
