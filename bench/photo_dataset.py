@@ -63,6 +63,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 
 from utils.core.cli import ArgumentParser, Range  # noqa: E402
 from utils.core.errors import UserError, run_entry_point  # noqa: E402
+from utils.data.shapes import write_sample  # noqa: E402
 
 GENERATOR_VERSION = 1  # bump when the composition changes, so the manifest tells old datasets apart
 SPLIT_SEED = 20240611  # fixed: which photos are held out for val does not depend on --seed
@@ -490,13 +491,7 @@ def _write_split(folder: Path, split: str, split_id: int, n: int, pools: Pools, 
     (folder / "labels" / split).mkdir(parents=True)
     for i in range(n):
         img, labels = render_image(np.random.default_rng([cfg.seed, split_id, i]), pools, cfg.imgsz)
-        ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 92])
-        if not ok:
-            raise RuntimeError(f"JPEG encoding failed for {split} image {i}")
-        stem = f"{split}_{i:06d}"
-        (folder / "images" / split / f"{stem}.jpg").write_bytes(buf.tobytes())
-        rows = "".join(f"{int(c)} {x:.6f} {y:.6f} {bw:.6f} {bh:.6f}\n" for c, x, y, bw, bh in labels)
-        (folder / "labels" / split / f"{stem}.txt").write_text(rows)
+        write_sample(folder, split, i, img, labels, quality=92)
 
 
 def _manifest(cfg: BuildConfig, sources: Sources) -> dict:

@@ -178,9 +178,14 @@ def render_image(rng: np.random.Generator, img_size: int = 320) -> tuple[np.ndar
 
 
 def _write_one(folder: Path, split: str, split_id: int, seed: int, i: int, img_size: int) -> None:
-    rng = np.random.default_rng([seed, split_id, i])
-    img, labels = render_image(rng, img_size)
-    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+    img, labels = render_image(np.random.default_rng([seed, split_id, i]), img_size)
+    write_sample(folder, split, i, img, labels, quality=95)
+
+
+def write_sample(folder: Path, split: str, i: int, img: np.ndarray, labels: np.ndarray, quality: int) -> None:
+    """A generated image as ``images/<split>/<split>_NNNNNN.jpg`` and its label rows beside it in ``labels/``
+    (six decimals), the YOLO layout every generator here writes."""
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
         raise RuntimeError(f"JPEG encoding failed for {split} image {i}")
     stem = f"{split}_{i:06d}"
