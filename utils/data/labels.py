@@ -9,10 +9,10 @@ about its problems: utils/data/problems.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -92,8 +92,9 @@ class LabelTable(Sequence):
             return labels
         counts = np.array([len(x) for x in labels], np.int64)
         end = np.cumsum(counts)
-        rows = np.concatenate([np.asarray(x, np.float64).reshape(-1, 5) for x in labels]) if len(labels) else None
-        return cls(rows if rows is not None else np.zeros((0, 5)), end - counts, end)
+        rows = np.concatenate([np.asarray(x, np.float64).reshape(-1, 5) for x in labels]) if len(labels) else (
+            np.zeros((0, 5)))
+        return cls(rows, end - counts, end)
 
     def __len__(self) -> int:
         return len(self.begin)

@@ -93,11 +93,10 @@ def download(url: str, dest: str | os.PathLike) -> None:
 def upload(folder: str | os.PathLike, url: str, first: Callable[[str], bool] = lambda name: True) -> None:
     """Every file under the local ``folder`` to ``url``/<relative path>, each retried as ``read`` is: those
     ``first`` picks, then the rest (a reader that finds the last files finds the first ones whole)."""
-    fs, _ = _filesystem(url)
+    fs, root = _filesystem(url)
     files = sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
     for name in [f for f in files if first(f)] + [f for f in files if not first(f)]:
-        target = join(url, name)
-        _retrying(target, lambda: fs.put_file(os.path.join(folder, name), _filesystem(target)[1]))
+        _retrying(join(url, name), lambda: fs.put_file(os.path.join(folder, name), posixpath.join(root, name)))
 
 
 def is_empty(url: str) -> bool:
@@ -106,7 +105,7 @@ def is_empty(url: str) -> bool:
     return not _retrying(url, lambda: fs.find(path, maxdepth=1) if fs.isdir(path) else fs.exists(path))
 
 
-def _retrying(url: str, call: Callable[[], bytes]) -> bytes:
+def _retrying(url: str, call: Callable[[], Any]) -> Any:
     """``call()``, retried with exponential backoff for up to the patience; a missing object and refused
     credentials are UserErrors at once."""
     patience = float(os.environ.get(PATIENCE_ENV, DEFAULT_PATIENCE_S))

@@ -24,10 +24,10 @@ import yaml
 from utils.core.cli import ArgumentParser, Range
 from utils.core.errors import UserError, run_entry_point
 from utils.core.logging import LOGGER, setup_logging
+from utils.data import remote
 from utils.data.config import load_data_config, prepare_dataset
 from utils.data.labels import describe_source, img2label_paths, require_usable, resolve_image_files, scan_labels
 from utils.data.problems import report_messages
-from utils.data import remote
 from utils.data.shards import INDEX_JSON, INDEX_SUFFIX, discard, replace_folder, write_split
 
 SPLITS = ("train", "val", "test")
