@@ -115,23 +115,36 @@ def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     assert yolov5.nominal_batch == long.nominal_batch == named.nominal_batch == 64
 
 
-def test_the_short_run_lr_grows_with_a_larger_batch_up_to_its_cap():
-    """A global batch above 16 steps once per batch: batch / 16 times fewer steps, so the AdamW LR grows as much,
-    to at most 0.004; at 16 and below it is the batch-16 recipe's. The choice is a function of the resolved
-    config alone."""
-    from utils.engine.recipe import RECIPES, SHORT_LR_MAX
+def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
+    """A global batch above 16 is cut into micro-steps of 16 images while each rank's part keeps 8 images;
+    what a step sees beyond 16 (many ranks, a small batch per rank) raises the AdamW LR in proportion, to at
+    most 0.004. The choice is a function of the resolved config alone."""
+    from utils.engine.recipe import RECIPES, SHORT_LR_MAX, micro_steps
     hyp = Hyp()
-    lr = {b: RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=b, epochs=30).lr
-          for b in (8, 16, 32, 64, 128, 256)}
-    assert lr[8] == lr[16] == 0.000667
-    assert (lr[32], lr[64], lr[128], lr[256]) == (0.001334, 0.002668, SHORT_LR_MAX, SHORT_LR_MAX)
-    big = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
-    assert "a step every batch of 128 images, the lr x 8 (128 / 16) for the fewer steps, at most 0.004" in big.reason
-    one = RECIPES["end-to-end"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=64, epochs=30)
-    assert one.lr == SHORT_LR_MAX  # already at the cap: the gain lifts nothing
-    assert big == RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
-    sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30)
-    assert sgd.lr == hyp.lr0  # YOLOv5's SGD recipe is unchanged
+
+    def auto(batch: int, ranks: int = 1, family: str = "anchor-free", nc: int = 11):
+        return RECIPES[family].optimizer("auto", hyp, nc=nc, n_images=800, batch_size=batch, epochs=30, ranks=ranks)
+
+    assert [micro_steps(b, 1) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
+    assert [micro_steps(128, r) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
+    assert {auto(b).lr for b in (8, 16, 32, 64, 128, 256)} == {0.000667}  # every step sees 16 images
+    assert (auto(64).steps_per_batch, auto(16).steps_per_batch, auto(8).steps_per_batch) == (4, 1, 1)
+    spread = auto(128, ranks=8)  # 16 per rank: 2 steps of 64 images
+    assert (spread.steps_per_batch, spread.lr) == (2, 0.002668)
+    assert "2 optimizer steps per batch of 128 (a step per 64 images), the lr x 4 for the fewer steps" in spread.reason
+    assert auto(256, ranks=16).lr == SHORT_LR_MAX  # a step of 256 images: x 16, capped
+    assert "8 optimizer steps per batch of 128 (a step per 16 images), the batch-16 run's steps" in auto(128).reason
+    assert auto(64, family="end-to-end", nc=1).lr == SHORT_LR_MAX  # already at the cap
+    assert auto(128, ranks=8) == spread
+    sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, ranks=8)
+    assert (sgd.lr, sgd.steps_per_batch) == (hyp.lr0, 1)  # YOLOv5's SGD recipe is unchanged
+
+
+def test_split_batch_cuts_consecutive_near_equal_parts():
+    from utils.engine.loop import split_batch
+    assert split_batch(64, 4) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
+    assert [s.stop - s.start for s in split_batch(50, 4)] == [12, 13, 13, 12]
+    assert split_batch(3, 4) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # an epoch's short last batch
 
 
 def test_accumulation_follows_the_chosen_step_size():

@@ -160,7 +160,8 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
             finite = torch.isfinite(fw.loss_items).all()  # on the device: read at the optimizer step
             loop.window_bad = ~finite if loop.window_bad is None else loop.window_bad | ~finite
             mloss = torch.where(finite, (mloss * i + fw.loss_items) / (i + 1), mloss)
-            backward(t, fw.loss)
+            if not fw.stepped:
+                backward(t, fw.loss)
             if not fw.steps:
                 hooks.events.batch_end(ni, mloss, stepped=False)
                 continue
@@ -175,8 +176,9 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
                     return EpochEnded(mloss.cpu(), Stop(StopReason.NAN_BUDGET, spent))
                 loop.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
                 continue
-            state.recovery.remember()  # the state every batch since the last step was scored on
-            optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
+            if not fw.stepped:
+                state.recovery.remember()  # the state every batch since the last step was scored on
+                optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
             loop.last_opt_step = ni
             if (loop.stopping or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
                 save_mid_epoch(t, loop, hooks, mloss, watch)
@@ -192,12 +194,14 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
 @dataclass(frozen=True)
 class Forward:
     """One batch's forward pass: its images on the device, the loss and its items, and whether an optimizer
-    step follows its backward (decided before the forward, which DDP needs to skip the gradient all-reduce)."""
+    step follows its backward (decided before the forward, which DDP needs to skip the gradient all-reduce).
+    ``stepped``: the batch trained in micro-steps (``micro_steps``), its backward and steps done already."""
 
     imgs: torch.Tensor
-    loss: torch.Tensor
+    loss: torch.Tensor | None
     loss_items: torch.Tensor
     steps: bool
+    stepped: bool = False
 
 
 def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, ni: int) -> Forward:
@@ -215,11 +219,41 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, 
         loop.accumulate = max(1, round(float(np.interp(ni, [0, t.lr.warmup.iters], [1, t.accumulate]))))
     steps = ni - loop.last_opt_step >= loop.accumulate or i == t.batches_per_epoch - 1
     hooks.plots.train_batch(batch, ni, imgs)
+    if t.optimizer_choice.steps_per_batch > 1:
+        return Forward(imgs, None, micro_steps(t, imgs, batch.targets), steps=True, stepped=True)
     quiet = t.model.no_sync() if not steps and isinstance(t.model, DDP) else contextlib.nullcontext()
     with quiet, t.autocast():
         pred = t.model(imgs)
         loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
     return Forward(imgs, loss, loss_items, steps)
+
+
+def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A short run's large batch (recipe.micro_steps): forward, backward and an optimizer step per part of
+    the batch, so the run takes as many steps as one at batch 16 while the loader, the device feed and the
+    step's host sync work per batch. Every rank's batch has the same length, so the parts (and DDP's
+    all-reduces) match across ranks. The recovery state is the batch's start: a non-finite loss agreed at
+    check_step rolls back the whole batch. Returns the loss items, the parts' mean weighted by images."""
+    n = imgs.shape[0]
+    items = torch.zeros((), device=imgs.device)
+    for j, part in enumerate(split_batch(n, t.optimizer_choice.steps_per_batch)):
+        rows = (targets[:, 0] >= part.start) & (targets[:, 0] < part.stop)
+        mine = targets[rows].clone()
+        mine[:, 0] -= part.start
+        with t.autocast():
+            loss, loss_items = t.criterion(t.model(imgs[part]), mine)
+        backward(t, loss)
+        if j == 0:
+            t.state.recovery.remember()
+        optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
+        items = items + loss_items.detach() * ((part.stop - part.start) / n)
+    return items
+
+
+def split_batch(n: int, parts: int) -> list[slice]:
+    """``n`` images in min(parts, n) consecutive slices whose lengths differ by at most one."""
+    bounds = np.linspace(0, n, min(parts, n) + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def save_mid_epoch(t: Training, loop: LoopState, hooks: Hooks, mloss: torch.Tensor, watch: Watchdog) -> None:

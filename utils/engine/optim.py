@@ -37,6 +37,7 @@ class OptimizerChoice:
     reason: str
     nominal_batch: int = NOMINAL_BATCH  # images per optimizer step (accumulated); runs saved before it: 64
     class_lr_gain: float = 1.0  # LR multiplier on the head's class branches (Head.class_branches)
+    steps_per_batch: int = 1  # optimizer steps per rank batch, one per part of it (loop.micro_steps)
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,

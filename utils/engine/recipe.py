@@ -23,8 +23,10 @@ E2E_SHORT_LR_GAIN = 4.0  # end-to-end heads' short-run AdamW LR over the anchor-
 E2E_SHORT_LR_MAX = 0.004  # at most this (the highest LR measured, at 11 classes, is 0.0053)
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 SHORT_LR_MAX = E2E_SHORT_LR_MAX  # the large-batch gain lifts no short-run AdamW LR above this (and lowers none)
+MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)
 
-AutoRule = Callable[["Recipe", Hyp, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images, batch, epochs
+AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images, batch,
+# epochs, ranks
 
 
 @dataclass(frozen=True)
@@ -39,31 +41,33 @@ class Recipe:
     short_lr_gain: float = 1.0  # the short-run AdamW LR over the anchor-free rule
 
     def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                  epochs: int) -> OptimizerChoice:
+                  epochs: int, ranks: int = 1) -> OptimizerChoice:
         """Resolve --optimizer: ``auto`` by this family's rule; a named optimizer with the hyp file's lr0,
         momentum and warmup_bias_lr as written, and 64 (MuSGD also gives the head's class branches
         MUSGD_CLASS_LR_GAIN times the LR)."""
         if requested != "auto":
             return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
                                    class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
-        return self.auto(self, hyp, nc, n_images, batch_size, epochs)
+        return self.auto(self, hyp, nc, n_images, batch_size, epochs, ranks)
 
 
-def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int, epochs: int) -> OptimizerChoice:
+def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int, epochs: int,
+               ranks: int = 1) -> OptimizerChoice:
     """Anchor-based heads: SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains."""
     return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
                            "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
 
 
 def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                    epochs: int) -> OptimizerChoice:
+                    epochs: int, ranks: int = 1) -> OptimizerChoice:
     """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
     nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup, which learns
     much faster in few steps (Ultralytics' rule), and step every SHORT_RUN_BATCH images instead of
     accumulating to 64: a short run is short of updates, and AdamW's per-parameter step size does not
     grow with the batch, so four times the steps is about four times the learning at the same images/s
-    (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH steps once
-    per batch, with the LR x large_batch_gain. The recipe's ``short_lr_gain`` lifts the LR (end-to-end
+    (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH is cut
+    into micro-steps (``micro_steps``: an optimizer step per part of each rank's batch, the batch-16 run's
+    steps), and what a step sees beyond SHORT_RUN_BATCH gives the LR x large_batch_gain. The recipe's ``short_lr_gain`` lifts the LR (end-to-end
     heads: at the anchor-free LR such a model is still far from fitted after a short schedule), at most
     E2E_SHORT_LR_MAX. Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and
     the nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
@@ -75,29 +79,41 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     fit = round(0.002 * 5 / (4 + nc), 6)
     gained = recipe.short_lr_gain != 1.0
     lr = max(fit, min(fit * recipe.short_lr_gain, E2E_SHORT_LR_MAX)) if gained else fit
-    gain = large_batch_gain(batch_size)
+    parts = micro_steps(batch_size, ranks)
+    gain = large_batch_gain(batch_size / parts)
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
     family = f" x {recipe.short_lr_gain:g} for an {recipe.family} head (at most {E2E_SHORT_LR_MAX:g})" if gained else ""
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
-                           f"lr 0.002 * 5 / (4 + {nc} classes){family}" + _step_note(batch_size, gain),
-                           nominal_batch=SHORT_RUN_BATCH)
+                           f"lr 0.002 * 5 / (4 + {nc} classes){family}" + _step_note(batch_size, parts, gain),
+                           nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts)
 
 
-def large_batch_gain(batch_size: int) -> float:
-    """The short-run AdamW LR's multiplier at a global batch above SHORT_RUN_BATCH: each step there sees
-    batch / 16 times the images, so a run takes that many times fewer steps, and the LR grows in proportion
-    (the linear rule; the square root, Adam's usual rule, learned less in these few steps: docs/benchmarks.md,
-    "Large batches"). 1 at or below."""
-    return max(batch_size / SHORT_RUN_BATCH, 1.0)
+def micro_steps(batch_size: int, ranks: int) -> int:
+    """Optimizer steps per batch in a short run: a global batch above SHORT_RUN_BATCH takes one per
+    SHORT_RUN_BATCH images (the batch-16 run's steps, measured to learn more in a short schedule than fewer
+    steps at a higher LR: docs/benchmarks.md, "Large batches"), as long as each rank's part keeps
+    MICRO_BATCH_FLOOR images. The loader and the host sync still work per batch."""
+    per_rank = batch_size // max(ranks, 1)
+    return max(1, min(batch_size // SHORT_RUN_BATCH, per_rank // MICRO_BATCH_FLOOR))
 
 
-def _step_note(batch_size: int, gain: float) -> str:
+def large_batch_gain(step_images: float) -> float:
+    """The short-run AdamW LR's multiplier for a step of more than SHORT_RUN_BATCH images (global): a run
+    takes that many times fewer steps, and the LR grows in proportion (the linear rule; the square root,
+    Adam's usual rule, learned less in these few steps: docs/benchmarks.md, "Large batches"). 1 at or below."""
+    return max(step_images / SHORT_RUN_BATCH, 1.0)
+
+
+def _step_note(batch_size: int, parts: int, gain: float) -> str:
     """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
-    if gain == 1.0:
+    if batch_size <= SHORT_RUN_BATCH:
         return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
-    return (f"; a step every batch of {batch_size} images, the lr x {gain:g} ({batch_size} / {SHORT_RUN_BATCH}) for "
-            f"the fewer steps, at most {SHORT_LR_MAX:g}")
+    split = (f"; {parts} optimizer steps per batch of {batch_size} (a step per {batch_size / parts:g} images)"
+             if parts > 1 else f"; a step every batch of {batch_size} images")
+    if gain == 1.0:
+        return split + ", the batch-16 run's steps"
+    return split + f", the lr x {gain:g} for the fewer steps, at most {SHORT_LR_MAX:g}"
 
 
 HYPS = ROOT / "hyps"

@@ -117,9 +117,10 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs)
+        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size)
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
-    decay = hyp.weight_decay * cfg.batch_size * accumulate / NOMINAL_BATCH  # the same decay per image at any step size
+    step_images = cfg.batch_size * accumulate / choice.steps_per_batch
+    decay = hyp.weight_decay * step_images / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
                                 model.detect.class_branches(), choice.class_lr_gain)
     ema = ModelEMA(model)

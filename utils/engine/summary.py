@@ -21,8 +21,8 @@ def log_start_summary(t: Training) -> None:
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
              colorstr("Devices: ") + kind,
              colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
-             f"accumulate {t.accumulate} (a step per {t.optimizer_choice.nominal_batch} images); "
-             f"{t.batches_per_epoch} batches per epoch per rank",
+             + step_note(t.batch * info.world_size, t.accumulate, t.optimizer_choice.steps_per_batch)
+             + f"; {t.batches_per_epoch} batches per epoch per rank",
              colorstr("Data: ") + str(t.data.file)]
     for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
         c = loader.dataset.counts
@@ -48,6 +48,13 @@ def log_start_summary(t: Training) -> None:
     lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else "")
                  + sizing_note(opt))
     LOGGER.info("\n".join(lines))
+
+
+def step_note(global_batch: int, accumulate: int, parts: int) -> str:
+    """How many images each optimizer step sees: batches accumulated, or a batch cut into micro-steps."""
+    if parts > 1:
+        return f"{parts} optimizer steps per batch (a step per {global_batch / parts:g} images)"
+    return f"accumulate {accumulate} (a step per {global_batch * accumulate} images)"
 
 
 def sizing_note(opt) -> str:
