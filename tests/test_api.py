@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import PYTHON, ROOT, run_env
-from utils.core.callbacks import EVENTS, CallbackError
+from utils.core.callbacks import EVENTS, CallbackError, Callbacks
 from utils.core.errors import UserError
 from utils.weights.checkpoint import load_checkpoint
 from yolotrain import YOLO
@@ -122,8 +122,14 @@ def test_val_predict_and_export_give_what_the_clis_give(tiny_v8n, tiny_data, val
     assert isinstance(streamed, types.GeneratorType)
     results = list(streamed)
     assert len(results) == len(list(val_folder.glob("*.jpg"))) and sum(len(r) for r in results) > 0
+    heard = Callbacks()
+    heard.add("on_predict_batch_end", lambda e: heard_batches.append((e.batch, [(r.path, len(r)) for r in e.results])))
+    heard_batches: list = []
     detect.main(detect.parse_opt(["--weights", str(tiny_v8n), "--source", str(val_folder), "--imgsz", "64",
-                                  "--save-txt", "--save-conf", "--nosave", "--project", str(tmp_path), "--name", "cli"]))
+                                  "--save-txt", "--save-conf", "--nosave", "--project", str(tmp_path), "--name", "cli"]),
+                heard)
+    assert [k for k, _ in heard_batches] == list(range(len(heard_batches)))  # the CLI's tool emits its own events
+    assert [pair for _, batch in heard_batches for pair in batch] == [(r.path, len(r)) for r in results]
     for r in results:
         cli_txt = tmp_path / "cli" / "labels" / f"{Path(r.path).stem}.txt"
         ours = r.save_txt(tmp_path / "api" / f"{Path(r.path).stem}.txt", save_conf=True).read_text()
@@ -138,8 +144,11 @@ def test_val_predict_and_export_give_what_the_clis_give(tiny_v8n, tiny_data, val
     assert sorted(p.name for p in (tmp_path / "saved").glob("*.jpg")) == [p.name for p in one]
     assert [len(r) for r in listed] == [len(r) for r in results[:2]]
 
+    kept: list = []
+    model.add_callback("on_export_end", lambda e: kept.append((e.format, e.path, all(r.passed for r in e.reports))))
     exported = model.export("torchscript", imgsz=64)
     assert exported.suffix == ".torchscript" and exported.exists()
+    assert kept == [("torchscript", exported, True)]
     assert [len(r) for r in YOLO(exported).predict(one, imgsz=64)] == [len(r) for r in listed]
 
 

@@ -14,8 +14,9 @@ from utils.core.callbacks import CallbackError
 from utils.core.errors import Preempted, UserError
 from utils.data.convert import convert_coco, convert_voc
 from utils.engine.state import TrainResult
+from utils.infer.results import Results
 from yolotrain.model import YOLO
-from yolotrain.results import Results, ValResult
+from yolotrain.results import ValResult
 
 __all__ = ["YOLO", "Results", "ValResult", "TrainResult", "UserError", "CallbackError", "Preempted", "convert_coco",
            "convert_voc"]

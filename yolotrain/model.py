@@ -27,10 +27,11 @@ from utils.data.sources import resolve_sources
 from utils.engine.state import TrainResult
 from utils.infer.backends import EXPORT_SUFFIXES
 from utils.infer.loop import ShardReport, VideoSinks, predict_batches, write_prediction
+from utils.infer.results import Results, as_results, predict_batch_end
 from utils.weights.checkpoint import load_model
 from yolotrain.launch import launch_training
 from yolotrain.options import ALIASES, option_flags, parse, to_argv
-from yolotrain.results import PredictEvent, Results, ValResult, as_results
+from yolotrain.results import ValResult
 
 
 class YOLO:
@@ -131,7 +132,7 @@ class YOLO:
         self._need("checkpoint", "export")
         parser = export_cli.build_parser()
         opt = parse(parser, to_argv(parser, {"weights": str(self.path), "include": [format], **options}, "export.py"))
-        return Path(export_cli.main(opt)[0].path)
+        return Path(export_cli.main(opt, self.callbacks)[0].path)
 
     def _predict(self, opt, sources) -> Iterator[Results]:
         """detect.py's pipeline in this process; each batch's Results yielded, its files written when asked."""
@@ -146,8 +147,7 @@ class YOLO:
                 results = as_results(batch, names)
                 for p in batch if writer else ():
                     write_prediction(p, writer, sinks)
-                if self.callbacks.wants("on_predict_batch_end"):
-                    self.callbacks.run("on_predict_batch_end", PredictEvent("on_predict_batch_end", k, results))
+                predict_batch_end(self.callbacks, k, results)
                 yield from results
         finally:
             if sinks:

@@ -23,6 +23,7 @@ EVENTS: dict[str, str] = {  # name -> what the payload is (docs/python.md lists 
     "on_model_save": "TrainEvent: a checkpoint was written (path)",
     "on_train_end": "TrainEvent: training finished (best, last, metrics)",
     "on_predict_batch_end": "PredictEvent: a batch of images or frames was predicted (results)",
+    "on_export_end": "ExportEvent: an export was written and matched the checkpoint (format, path, reports)",
 }
 
 

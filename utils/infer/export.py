@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER
 from utils.data.augment import letterbox, resize_long_side
@@ -59,6 +60,22 @@ class ExportResult:
     format: str
     path: Path
     reports: list[ParityReport]
+
+
+@dataclass(frozen=True)
+class ExportEvent:
+    """on_export_end: one format was written and matched the checkpoint (``reports``: its parity checks)."""
+
+    event: str
+    format: str
+    path: Path
+    reports: list[ParityReport]
+
+
+def export_end(callbacks: Callbacks | None, result: ExportResult) -> None:
+    """on_export_end for one written format, when anyone listens."""
+    if callbacks is not None and callbacks.wants("on_export_end"):
+        callbacks.run("on_export_end", ExportEvent("on_export_end", result.format, result.path, result.reports))
 
 
 class DecodedOnly(nn.Module):
@@ -121,8 +138,9 @@ def parity_images(source: list[str] | None, data: str | None, n: int) -> list[np
 
 
 def export_all(reference: TorchBackend, formats: list[str], opts: ExportOptions, device: torch.device,
-               images: list[np.ndarray]) -> list[ExportResult]:
-    """Export the checkpoint behind ``reference`` to each format beside it, each checked on ``images`` (BGR).
+               images: list[np.ndarray], callbacks: Callbacks | None = None) -> list[ExportResult]:
+    """Export the checkpoint behind ``reference`` to each format beside it, each checked on ``images`` (BGR);
+    ``callbacks`` hear on_export_end as each format is kept.
 
     ``reference`` must not have run yet: the exported graph is copied from it first, so the heads'
     grid caches are empty when traced.
@@ -138,7 +156,11 @@ def export_all(reference: TorchBackend, formats: list[str], opts: ExportOptions,
     batches = [b.to(device) for b in parity_batches(images, opts, meta.stride)]
     example = torch.zeros(opts.batch, 3, opts.imgsz, opts.imgsz, device=device,
                           dtype=torch.float16 if opts.half else torch.float32)
-    return [export_one(fmt, weights, graph, example, meta, opts, reference, batches, device) for fmt in formats]
+    results = []
+    for fmt in formats:
+        results.append(export_one(fmt, weights, graph, example, meta, opts, reference, batches, device))
+        export_end(callbacks, results[-1])
+    return results
 
 
 def check_half_onnx(formats: list[str], opts: ExportOptions) -> None:

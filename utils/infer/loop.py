@@ -10,7 +10,7 @@ detections, and so every file, are the same for any world size. What was done is
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,8 +148,9 @@ def _video(path: str, probe: VideoInfo, predictor: Predictor, stem: str, setting
 
 
 def run_shard(sources: Sources, predictor: Predictor, writer: Writer, settings: ShardSettings,
-              info: DistInfo) -> ShardReport:
-    """Detect on this rank's images and videos, writing each one's files; returns the report."""
+              info: DistInfo, on_batch: Callable[[int, list[Prediction]], None] | None = None) -> ShardReport:
+    """Detect on this rank's images and videos, writing each one's files; returns the report. ``on_batch``
+    hears each batch (its index in this rank's share, from 0) after its files are written."""
     report = ShardReport(nc=len(writer.names))
     loads = image_loads(sources, settings, info)
     videos = my_videos(sources, loads, info)
@@ -157,11 +158,13 @@ def run_shard(sources: Sources, predictor: Predictor, writer: Writer, settings: 
     sinks = VideoSinks(writer)
     with tqdm(total=total, desc="detect", unit="img", disable=not info.is_main, leave=False) as bar:
         try:
-            for batch in predict_batches(sources, predictor, settings, info, writer.opts.needs_original, report,
-                                         videos):
+            originals = writer.opts.needs_original or on_batch is not None  # a listener's Results hold the image
+            for k, batch in enumerate(predict_batches(sources, predictor, settings, info, originals, report, videos)):
                 for p in batch:
                     write_prediction(p, writer, sinks)
                     report.count(p.det)
+                if on_batch is not None:
+                    on_batch(k, batch)
                 bar.update(len(batch))
         finally:
             sinks.close()

@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from models.yolo import round_to_stride
 from utils.core import dist, precision
+from utils.core.callbacks import Callbacks
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
     add_run_folder_flags, add_workers_flag
 from utils.core.errors import UserError, run_entry_point
@@ -38,6 +39,7 @@ from utils.data.sources import resolve_sources
 from utils.infer.backends import ModelMeta, load_backend
 from utils.infer.loop import ShardReport, ShardSettings, run_shard
 from utils.infer.predict import PredictOptions, Predictor
+from utils.infer.results import batch_listener
 from utils.infer.save import SaveOptions, Writer
 from utils.infer.summary import RunSummary, finish
 
@@ -96,11 +98,13 @@ def input_size(requested: int | None, meta: ModelMeta) -> int:
     return round_to_stride(requested or meta.imgsz, meta.stride)
 
 
-def main(opt: argparse.Namespace) -> RunSummary | None:
+def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> RunSummary | None:
+    """Predict --source with --weights; ``callbacks`` hear on_predict_batch_end after each batch's files are
+    written (under torchrun, each rank its own share)."""
     with RunPrologue(opt.local_rank, opt.threads) as run:  # rank, logging, threads; device, watchdog, group
         sources = resolve_sources(opt.source)  # first: a wrong --source is the only line printed
         device = run.start(opt.device, opt.batch_size, opt.hang_timeout)
-        return detect(opt, sources, device, run.info)
+        return detect(opt, sources, device, run.info, callbacks)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,8 @@ def build_pipeline(opt: argparse.Namespace, device: torch.device, info: dist.Dis
     return Pipeline(meta, imgsz, Predictor(backend, device, predict_options(opt, meta, device)), writer, settings)
 
 
-def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo) -> RunSummary | None:
+def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.DistInfo,
+           callbacks: Callbacks | None = None) -> RunSummary | None:
     """Load the model, predict this rank's share of the sources writing each output once, and report on rank 0."""
     run = build_pipeline(opt, device, info, writes=True)
     meta = run.meta
@@ -137,7 +142,8 @@ def detect(opt: argparse.Namespace, sources, device: torch.device, info: dist.Di
     LOGGER.info(f"{opt.weights}: {meta.format} ({meta.family}{mode}){numerics}, {meta.nc} classes, "
                 f"input {run.imgsz}x{run.imgsz}; {len(sources.images)} images, {len(sources.videos)} videos")
     started = time.perf_counter()
-    report = run_shard(sources, run.predictor, run.writer, run.settings, info)
+    report = run_shard(sources, run.predictor, run.writer, run.settings, info,
+                       batch_listener(callbacks, list(meta.names)))
     if info.is_main:
         note_problems(sources.problems, sources.duplicates, report)
     return finish(report, list(meta.names), started, run.imgsz, opt.batch_size, run.writer.dir, info)

@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from models.yolo import round_to_stride
 from utils.core import dist
 from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags
-from utils.core.cores import set_cpu_threads
+from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError, run_entry_point
-from utils.core.logging import LOGGER, setup_logging
+from utils.core.logging import LOGGER
+from utils.core.prologue import RunPrologue
 from utils.infer.backends import TorchBackend, require
 from utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all, parity_images
 
@@ -68,12 +71,17 @@ def check_opt(opt: argparse.Namespace, info: dist.DistInfo) -> list[str]:
     return formats
 
 
-def main(opt: argparse.Namespace) -> list[ExportResult]:
-    info = dist.dist_info()
-    setup_logging(info.rank, info.world_size)
-    formats = check_opt(opt, info)
-    set_cpu_threads(info, opt.threads)
-    device = dist.select_device(opt.device, info=info)
+def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> list[ExportResult]:
+    """Write and check each --include format; ``callbacks`` hear on_export_end as each file is kept."""
+    with RunPrologue(threads=opt.threads) as run:  # logging and threads; one process, its device chosen here
+        formats = check_opt(opt, run.info)
+        device = dist.select_device(opt.device, info=run.info)
+        return export(opt, formats, device, callbacks)
+
+
+def export(opt: argparse.Namespace, formats: list[str], device: torch.device,
+           callbacks: Callbacks | None) -> list[ExportResult]:
+    """The checkpoint -> the parity images -> each format written beside it, checked, and announced."""
     if opt.half and device.type != "cuda":
         raise UserError("--half exports FP16 for CUDA and needs a CUDA --device (e.g. --device 0)")
     reference = TorchBackend.from_checkpoint(opt.weights, device)
@@ -85,7 +93,7 @@ def main(opt: argparse.Namespace) -> list[ExportResult]:
     options = ExportOptions(imgsz=imgsz, batch=opt.batch_size, dynamic=opt.dynamic, half=opt.half, opset=opt.opset,
                             simplify=opt.simplify)
     images = parity_images(opt.source, reference.meta.data, opt.batch_size)
-    results = export_all(reference, formats, options, device, images)
+    results = export_all(reference, formats, options, device, images, callbacks)
     files = " ".join(str(r.path) for r in results)
     LOGGER.info(f"Export complete: {files}\n"
                 f"Detect:   python detect.py --weights {results[0].path} --source IMAGES_OR_VIDEOS\n"
