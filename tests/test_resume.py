@@ -137,6 +137,31 @@ def test_mid_epoch_checkpoint_resumes_exactly(tiny_data, tmp_path, reference):
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
 
 
+def test_a_large_batch_in_micro_steps_resumes_exactly(tiny_data, tmp_path):
+    """Batch 32 in a short run: each batch (the 16 images here) trains in 2 optimizer steps; killed after
+    epoch 1's checkpoint and resumed, the run ends bit-identical to the undisturbed one."""
+    big = ("--batch-size", "32", "--epochs", "2")
+    p = _train([sys.executable], tiny_data, tmp_path, "straight", extra=big)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "2 optimizer steps per batch (a step per 16 images)" in p.stdout
+    straight = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
+    assert straight["optimizer_choice"]["steps_per_batch"] == 2
+    die = (str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:0")
+    p = _train([sys.executable], tiny_data, tmp_path, "cut", extra=big, script=die)
+    assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
+    last = tmp_path / "cut" / "weights" / "last.pt"
+    cut = torch.load(last, weights_only=True)  # after one epoch of one batch: two AdamW steps
+    assert {int(s["step"]) for s in cut["optimizer"]["state"].values()} == {2}
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "from epoch 2 of 2" in p.stdout
+    resumed = torch.load(last, weights_only=True)
+    for key in ("model", "ema"):
+        assert all(torch.equal(straight[key][k], resumed[key][k]) for k in straight[key]), key
+    assert straight["metrics"] == resumed["metrics"]
+
+
 def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_data, tmp_path):
     """CPU trains NHWC by default, and in bf16 autocast where bf16 is native; NCHW and the other
     precision (fp32 on such a CPU, bf16 on any other) are exact on their own, and a resume given
