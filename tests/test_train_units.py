@@ -88,18 +88,19 @@ def test_a_run_reads_its_model_yaml_once(monkeypatch):
 
 
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
-    from utils.engine.recipe import AUTO_SGD_ITERATIONS, E2E_SHORT_LR_GAIN, E2E_SHORT_LR_MAX, RECIPES
+    from utils.engine.recipe import AUTO_SGD_ITERATIONS, RECIPES, SHORT_LR_GAIN, SHORT_LR_MAX
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
     yolov5 = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
     short = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
-    assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667, 0.9, 0.0)
+    assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667 * SHORT_LR_GAIN, 0.9, 0.0)
     assert "390 steps of 64 images" in short.reason  # ceil(800 / 64) * 30
+    assert "lr 0.002 * 5 / (4 + 11 classes) x 4 (at most 0.004)" in short.reason
     e2e = RECIPES["end-to-end"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (e2e.name, e2e.momentum, e2e.nominal_batch) == ("AdamW", 0.9, 16)
-    assert e2e.lr == 0.000667 * E2E_SHORT_LR_GAIN and f"x {E2E_SHORT_LR_GAIN:g} for an end-to-end head" in e2e.reason
-    few = RECIPES["end-to-end"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30)
-    assert few.lr == E2E_SHORT_LR_MAX  # 4 x 0.002 capped
+    assert e2e.lr == short.lr  # one short-run rule for both families
+    few = RECIPES["anchor-free"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30)
+    assert few.lr == SHORT_LR_MAX  # 4 x 0.002 capped
     e2e_long = RECIPES["end-to-end"].optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30)
     assert (e2e_long.name, e2e_long.lr) == ("SGD", 0.01)  # long runs: the anchor-free recipe as it is
     steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
@@ -127,15 +128,15 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
 
     assert [micro_steps(b, 1) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
     assert [micro_steps(128, r) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
-    assert {auto(b).lr for b in (8, 16, 32, 64, 128, 256)} == {0.000667}  # every step sees 16 images
+    assert len({auto(b).lr for b in (8, 16, 32, 64, 128, 256)}) == 1  # every step sees 16 images
     assert (auto(64).steps_per_batch, auto(16).steps_per_batch, auto(8).steps_per_batch) == (4, 1, 1)
-    spread = auto(128, ranks=8)  # 16 per rank: 2 steps of 64 images
-    assert (spread.steps_per_batch, spread.lr) == (2, 0.002668)
+    spread = auto(128, ranks=8, nc=80)  # 16 per rank: 2 steps of 64 images
+    assert (spread.steps_per_batch, spread.lr) == (2, 0.001904)  # 0.002 * 5 / 84 = 0.000119, x 4, x 4
     assert "2 optimizer steps per batch of 128 (a step per 64 images), the lr x 4 for the fewer steps" in spread.reason
-    assert auto(256, ranks=16).lr == SHORT_LR_MAX  # a step of 256 images: x 16, capped
+    assert auto(256, ranks=32, nc=80).lr == SHORT_LR_MAX  # 8 per rank, one step of 256 images: x 16, capped
     assert "8 optimizer steps per batch of 128 (a step per 16 images), the batch-16 run's steps" in auto(128).reason
     assert auto(64, family="end-to-end", nc=1).lr == SHORT_LR_MAX  # already at the cap
-    assert auto(128, ranks=8) == spread
+    assert auto(128, ranks=8, nc=80) == spread
     sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, ranks=8)
     assert (sgd.lr, sgd.steps_per_batch) == (hyp.lr0, 1)  # YOLOv5's SGD recipe is unchanged
 

@@ -19,10 +19,9 @@ from utils.core.hyp import Hyp
 from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
-E2E_SHORT_LR_GAIN = 4.0  # end-to-end heads' short-run AdamW LR over the anchor-free rule (docs/training.md),
-E2E_SHORT_LR_MAX = 0.004  # at most this (the highest LR measured, at 11 classes, is 0.0053)
+SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)
+SHORT_LR_MAX = 0.004  # no gain lifts a short-run AdamW LR above this (the highest measured, at 11 classes: 0.0053)
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
-SHORT_LR_MAX = E2E_SHORT_LR_MAX  # the large-batch gain lifts no short-run AdamW LR above this (and lowers none)
 MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)
 
 AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images, batch,
@@ -38,7 +37,7 @@ class Recipe:
     space: Path  # default tune.py --space
     autoanchor: bool  # anchors fitted to the data before training (YOLOv5's check)
     auto: AutoRule  # --optimizer auto
-    short_lr_gain: float = 1.0  # the short-run AdamW LR over the anchor-free rule
+    short_lr_gain: float = 1.0  # the short-run AdamW LR over Ultralytics' rule
 
     def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch_size: int,
                   epochs: int, ranks: int = 1) -> OptimizerChoice:
@@ -61,15 +60,16 @@ def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int
 def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int,
                     epochs: int, ranks: int = 1) -> OptimizerChoice:
     """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
-    nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc), beta1 0.9 and no bias warmup, which learns
-    much faster in few steps (Ultralytics' rule), and step every SHORT_RUN_BATCH images instead of
+    nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc) (Ultralytics' rule) x the recipe's
+    ``short_lr_gain`` (at most SHORT_LR_MAX: from scratch or fine-tuned, such a model is still far from
+    fitted after a short schedule at Ultralytics' LR), beta1 0.9 and no bias warmup, which learns much
+    faster in few steps, and step every SHORT_RUN_BATCH images instead of
     accumulating to 64: a short run is short of updates, and AdamW's per-parameter step size does not
     grow with the batch, so four times the steps is about four times the learning at the same images/s
     (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH is cut
     into micro-steps (``micro_steps``: an optimizer step per part of each rank's batch, the batch-16 run's
-    steps), and what a step sees beyond SHORT_RUN_BATCH gives the LR x large_batch_gain. The recipe's ``short_lr_gain`` lifts the LR (end-to-end
-    heads: at the anchor-free LR such a model is still far from fitted after a short schedule), at most
-    E2E_SHORT_LR_MAX. Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and
+    steps), and what a step sees beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most
+    SHORT_LR_MAX. Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and
     the nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
     step = max(batch_size, NOMINAL_BATCH)  # the schedule counts steps of 64 images, or of one larger batch
     iterations = math.ceil(n_images / step) * epochs
@@ -78,11 +78,11 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
                                f"auto: {iterations} steps of {step} images > {AUTO_SGD_ITERATIONS}, a long schedule")
     fit = round(0.002 * 5 / (4 + nc), 6)
     gained = recipe.short_lr_gain != 1.0
-    lr = max(fit, min(fit * recipe.short_lr_gain, E2E_SHORT_LR_MAX)) if gained else fit
+    lr = max(fit, min(fit * recipe.short_lr_gain, SHORT_LR_MAX)) if gained else fit
     parts = micro_steps(batch_size, ranks)
     gain = large_batch_gain(batch_size / parts)
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
-    family = f" x {recipe.short_lr_gain:g} for an {recipe.family} head (at most {E2E_SHORT_LR_MAX:g})" if gained else ""
+    family = f" x {recipe.short_lr_gain:g} (at most {SHORT_LR_MAX:g})" if gained else ""
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
                            f"lr 0.002 * 5 / (4 + {nc} classes){family}" + _step_note(batch_size, parts, gain),
@@ -119,9 +119,10 @@ def _step_note(batch_size: int, parts: int, gain: float) -> str:
 HYPS = ROOT / "hyps"
 RECIPES: dict[str, Recipe] = {r.family: r for r in (
     Recipe("anchor-based", HYPS / "hyp.scratch-low.yaml", HYPS / "tune-space.yaml", autoanchor=True, auto=yolov5_sgd),
-    Recipe("anchor-free", HYPS / "hyp.v8.yaml", HYPS / "tune-space.v8.yaml", autoanchor=False, auto=short_run_adamw),
+    Recipe("anchor-free", HYPS / "hyp.v8.yaml", HYPS / "tune-space.v8.yaml", autoanchor=False, auto=short_run_adamw,
+           short_lr_gain=SHORT_LR_GAIN),
     Recipe("end-to-end", HYPS / "hyp.v8.yaml", HYPS / "tune-space.v8.yaml", autoanchor=False, auto=short_run_adamw,
-           short_lr_gain=E2E_SHORT_LR_GAIN),
+           short_lr_gain=SHORT_LR_GAIN),
 )}
 
 
