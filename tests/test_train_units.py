@@ -120,14 +120,14 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     """A global batch above 16 is cut into micro-steps of 16 images while each rank's part keeps 8 images;
     what a step sees beyond 16 (many ranks, a small batch per rank) raises the AdamW LR in proportion, to at
     most 0.004. The choice is a function of the resolved config alone."""
-    from utils.engine.recipe import RECIPES, SHORT_LR_MAX, micro_steps
+    from utils.engine.recipe import RECIPES, SHORT_LR_MAX, steps_per_batch
     hyp = Hyp()
 
     def auto(batch: int, ranks: int = 1, family: str = "anchor-free", nc: int = 11):
         return RECIPES[family].optimizer("auto", hyp, nc=nc, n_images=800, batch_size=batch, epochs=30, ranks=ranks)
 
-    assert [micro_steps(b, 1) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
-    assert [micro_steps(128, r) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
+    assert [steps_per_batch(b, 1) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
+    assert [steps_per_batch(128, r) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
     assert len({auto(b).lr for b in (8, 16, 32, 64, 128, 256)}) == 1  # every step sees 16 images
     assert (auto(64).steps_per_batch, auto(16).steps_per_batch, auto(8).steps_per_batch) == (4, 1, 1)
     spread = auto(128, ranks=8, nc=80)  # 16 per rank: 2 steps of 64 images

@@ -229,7 +229,7 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, 
 
 
 def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """A short run's large batch (recipe.micro_steps): forward, backward and an optimizer step per part of
+    """A short run's large batch (recipe.steps_per_batch): forward, backward and an optimizer step per part of
     the batch, so the run takes as many steps as one at batch 16 while the loader, the device feed and the
     step's host sync work per batch. Every rank's batch has the same length, so the parts (and DDP's
     all-reduces) match across ranks. The recovery state is the batch's start: a non-finite loss agreed at

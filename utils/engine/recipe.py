@@ -67,7 +67,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     accumulating to 64: a short run is short of updates, and AdamW's per-parameter step size does not
     grow with the batch, so four times the steps is about four times the learning at the same images/s
     (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH is cut
-    into micro-steps (``micro_steps``: an optimizer step per part of each rank's batch, the batch-16 run's
+    into micro-steps (``steps_per_batch``: an optimizer step per part of each rank's batch, the batch-16 run's
     steps), and what a step sees beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most
     SHORT_LR_MAX. Long schedules use SGD at lr 0.01, momentum 0.9 with the hyp file's bias warmup and
     the nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
@@ -79,7 +79,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     fit = round(0.002 * 5 / (4 + nc), 6)
     gained = recipe.short_lr_gain != 1.0
     lr = max(fit, min(fit * recipe.short_lr_gain, SHORT_LR_MAX)) if gained else fit
-    parts = micro_steps(batch_size, ranks)
+    parts = steps_per_batch(batch_size, ranks)
     gain = large_batch_gain(batch_size / parts)
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
     family = f" x {recipe.short_lr_gain:g} (at most {SHORT_LR_MAX:g})" if gained else ""
@@ -89,7 +89,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
                            nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts)
 
 
-def micro_steps(batch_size: int, ranks: int) -> int:
+def steps_per_batch(batch_size: int, ranks: int) -> int:
     """Optimizer steps per batch in a short run: a global batch above SHORT_RUN_BATCH takes one per
     SHORT_RUN_BATCH images (the batch-16 run's steps, measured to learn more in a short schedule than fewer
     steps at a higher LR: docs/benchmarks.md, "Large batches"), as long as each rank's part keeps
