@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,29 +138,39 @@ def test_mid_epoch_checkpoint_resumes_exactly(tiny_data, tmp_path, reference):
     assert [int(r.split(",")[0]) for r in rows] == list(range(EPOCHS))
 
 
-def test_a_large_batch_in_micro_steps_resumes_exactly(tiny_data, tmp_path):
-    """Batch 32 in a short run: each batch (the 16 images here) trains in 2 optimizer steps; killed after
-    epoch 1's checkpoint and resumed, the run ends bit-identical to the undisturbed one."""
-    big = ("--batch-size", "32", "--epochs", "2")
-    p = _train([sys.executable], tiny_data, tmp_path, "straight", extra=big)
+@pytest.fixture(scope="module")
+def forty_images(tmp_path_factory) -> Path:
+    """40 shapes images: batch 16 takes batches of 16, 16 and 8, batch 32 one of 32 and one of 8."""
+    yaml_file = tmp_path_factory.mktemp("forty") / "forty.yaml"
+    yaml_file.write_text("path: shapes\ntrain: images/train\nval: images/val\nnames: {0: circle, 1: square}\n"
+                         "generate: shapes\ngenerate_args: {seed: 2, n_train: 40, n_val: 4, img_size: 96}\n")
+    return yaml_file
+
+
+def test_a_large_batch_trains_as_batch_16_and_resumes_exactly(forty_images, tmp_path):
+    """Batch 32 in a short run on one rank: each batch trains in optimizer steps of 16 images (the short last
+    batch of 8 in one), the warmup ramping per step, so the run is bit-identical to one at batch 16 on the
+    same images; killed after epoch 1's checkpoint and resumed, it still is."""
+    p = _train([sys.executable], forty_images, tmp_path, "sixteen", extra=("--batch-size", "16", "--epochs", "2"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "2 optimizer steps per batch (a step per 16 images)" in p.stdout
-    straight = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
-    assert straight["optimizer_choice"]["steps_per_batch"] == 2
+    sixteen = torch.load(tmp_path / "sixteen" / "weights" / "last.pt", weights_only=True)
     die = (str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:0")
-    p = _train([sys.executable], tiny_data, tmp_path, "cut", extra=big, script=die)
+    p = _train([sys.executable], forty_images, tmp_path, "cut", extra=("--batch-size", "32", "--epochs", "2"),
+               script=die)
     assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "2 optimizer steps per batch (a step per 16 images)" in p.stdout
     last = tmp_path / "cut" / "weights" / "last.pt"
-    cut = torch.load(last, weights_only=True)  # after one epoch of one batch: two AdamW steps
-    assert {int(s["step"]) for s in cut["optimizer"]["state"].values()} == {2}
+    cut = torch.load(last, weights_only=True)  # after one epoch: three AdamW steps, as batch 16's
+    assert cut["optimizer_choice"]["steps_per_batch"] == 2
+    assert {int(s["step"]) for s in cut["optimizer"]["state"].values()} == {3}
     p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "from epoch 2 of 2" in p.stdout
     resumed = torch.load(last, weights_only=True)
     for key in ("model", "ema"):
-        assert all(torch.equal(straight[key][k], resumed[key][k]) for k in straight[key]), key
-    assert straight["metrics"] == resumed["metrics"]
+        assert all(torch.equal(sixteen[key][k], resumed[key][k]) for k in sixteen[key]), key
+    assert sixteen["metrics"] == resumed["metrics"]
 
 
 def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_data, tmp_path):

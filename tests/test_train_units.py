@@ -141,11 +141,21 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     assert (sgd.lr, sgd.steps_per_batch) == (hyp.lr0, 1)  # YOLOv5's SGD recipe is unchanged
 
 
-def test_split_batch_cuts_consecutive_near_equal_parts():
-    from utils.engine.loop import split_batch
-    assert split_batch(64, 4) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
-    assert [s.stop - s.start for s in split_batch(50, 4)] == [12, 13, 13, 12]
-    assert split_batch(3, 4) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # an epoch's short last batch
+def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
+    """Micro-steps of 16 at batch 64: 800 images take 50 steps an epoch, the short last batch of 32 two of 16,
+    and the warmup ticks run through them one for one as the batch-16 run's batches; without micro-steps a
+    tick is a batch."""
+    from utils.engine.optim import StepPlan
+    plan = StepPlan.of(64, 4, 800)
+    assert (plan.per_batch, plan.part, plan.per_epoch) == (4, 16, 50)
+    assert plan.parts(64) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
+    assert plan.parts(32) == [slice(0, 16), slice(16, 32)]  # the epoch's last batch, as two of batch 16's
+    assert [s.stop - s.start for s in plan.parts(20)] == [10, 10] and plan.parts(3) == [slice(0, 3)]
+    assert [plan.tick(1, i, j) for i, j in ((0, 0), (0, 3), (1, 0), (12, 1))] == [50, 53, 54, 99]
+    assert sorted(s.stop - s.start for s in StepPlan.of(100, 6, 100).parts(100)) == [16, 16, 17, 17, 17, 17]
+    whole = StepPlan.of(16, 1, 800)
+    assert (whole.per_batch, whole.per_epoch, whole.parts(16), whole.tick(2, 5)) == (1, 50, [slice(0, 16)], 105)
+    assert StepPlan.of(16, 1, 801).per_epoch == 51  # a last batch of one image is a tick too
 
 
 def test_accumulation_follows_the_chosen_step_size():

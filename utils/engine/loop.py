@@ -214,13 +214,13 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, 
     epoch, batch, imgs = t.state.epoch, item.batch, item.images
     if t.cfg.multi_scale:
         imgs = rescale_batch(imgs, t.imgsz, t.grid, t.cfg.seed, epoch=epoch, i=i)
+    hooks.plots.train_batch(batch, ni, imgs)
+    if t.steps.per_batch > 1:
+        return Forward(imgs, None, micro_steps(t, imgs, batch.targets, i), steps=True, stepped=True)
     t.lr.warmup_step(ni, epoch)
     if ni <= t.lr.warmup.iters:
         loop.accumulate = max(1, round(float(np.interp(ni, [0, t.lr.warmup.iters], [1, t.accumulate]))))
     steps = ni - loop.last_opt_step >= loop.accumulate or i == t.batches_per_epoch - 1
-    hooks.plots.train_batch(batch, ni, imgs)
-    if t.optimizer_choice.steps_per_batch > 1:
-        return Forward(imgs, None, micro_steps(t, imgs, batch.targets), steps=True, stepped=True)
     quiet = t.model.no_sync() if not steps and isinstance(t.model, DDP) else contextlib.nullcontext()
     with quiet, t.autocast():
         pred = t.model(imgs)
@@ -228,15 +228,16 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, 
     return Forward(imgs, loss, loss_items, steps)
 
 
-def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """A short run's large batch (recipe.steps_per_batch): forward, backward and an optimizer step per part of
-    the batch, so the run takes as many steps as one at batch 16 while the loader, the device feed and the
-    step's host sync work per batch. Every rank's batch has the same length, so the parts (and DDP's
-    all-reduces) match across ranks. The recovery state is the batch's start: a non-finite loss agreed at
-    check_step rolls back the whole batch. Returns the loss items, the parts' mean weighted by images."""
-    n = imgs.shape[0]
+def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor, i: int) -> torch.Tensor:
+    """A short run's large batch ``i`` (t.steps): per part, the warmup's LR, forward, backward and an optimizer
+    step, so the run takes the batch-16 run's steps while the loader, the device feed and the step's host sync
+    work per batch. Every rank's batch has the same length, so the parts (and DDP's all-reduces) match across
+    ranks. The recovery state is the batch's start: a non-finite loss agreed at check_step rolls back the
+    whole batch. Returns the loss items, the parts' mean weighted by images."""
+    n, epoch = imgs.shape[0], t.state.epoch
     items = torch.zeros((), device=imgs.device)
-    for j, part in enumerate(split_batch(n, t.optimizer_choice.steps_per_batch)):
+    for j, part in enumerate(t.steps.parts(n)):
+        t.lr.warmup_step(t.steps.tick(epoch, i, j), epoch)
         rows = (targets[:, 0] >= part.start) & (targets[:, 0] < part.stop)
         mine = targets[rows].clone()
         mine[:, 0] -= part.start
@@ -248,12 +249,6 @@ def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor) -> torch
         optimizer_step(t.model, t.optimizer, t.scaler, t.ema)
         items = items + loss_items.detach() * ((part.stop - part.start) / n)
     return items
-
-
-def split_batch(n: int, parts: int) -> list[slice]:
-    """``n`` images in min(parts, n) consecutive slices whose lengths differ by at most one."""
-    bounds = np.linspace(0, n, min(parts, n) + 1).round().astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def save_mid_epoch(t: Training, loop: LoopState, hooks: Hooks, mloss: torch.Tensor, watch: Watchdog) -> None:

@@ -112,9 +112,39 @@ def warmup_iters(warmup_epochs: float, batches_per_epoch: int, epochs: int | Non
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """How this rank's batches become optimizer steps. A short run's large batch (recipe.steps_per_batch) is
+    cut into consecutive parts of at most ``part`` images, each its own step; the warmup ramps per part, so on
+    one rank a run at batch 64 takes the batch-16 run's steps, on the same images at the same LR. Without
+    micro-steps a part is the whole batch and a tick is a batch, as in YOLOv5's warmup."""
+
+    per_batch: int  # parts of a full batch
+    part: int  # the most images in a part
+    per_epoch: int  # parts in an epoch on this rank (the warmup's ticks)
+
+    @classmethod
+    def of(cls, batch: int, steps_per_batch: int, samples: int) -> StepPlan:
+        """``batch`` images per rank per batch, ``samples`` per rank per epoch (the last batch holds the rest)."""
+        part = math.ceil(batch / max(steps_per_batch, 1))
+        full, rest = divmod(samples, batch)
+        return cls(math.ceil(batch / part), part, full * math.ceil(batch / part) + math.ceil(rest / part))
+
+    def parts(self, n: int) -> list[slice]:
+        """A batch of ``n`` images in ceil(n / part) consecutive slices whose lengths differ by at most one: an
+        epoch's short last batch of 32 at parts of 16 is two steps of 16, as the batch-16 run takes them."""
+        bounds = np.linspace(0, n, max(math.ceil(n / self.part), 1) + 1).round().astype(int)
+        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def tick(self, epoch: int, i: int, j: int = 0) -> int:
+        """Part ``j`` of batch ``i`` of ``epoch``, counted from the run's start (the batch count ``ni`` when a
+        batch is one part)."""
+        return epoch * self.per_epoch + i * self.per_batch + j
+
+
+@dataclass(frozen=True)
 class Warmup:
     """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum, over ``iters``
-    batches; applied by LRSchedule."""
+    ticks (StepPlan: batches, or a short run's micro-steps); applied by LRSchedule."""
 
     iters: int
     bias_lr: float
@@ -146,7 +176,8 @@ class LRSchedule:
         return [g["lr"] for g in self.optimizer.param_groups[:3]]
 
     def warmup_step(self, ni: int, epoch: int) -> None:
-        """Batch ``ni`` (counted from the run's start) of warmup: ramp LR and momentum, then apply the scale."""
+        """Tick ``ni`` (StepPlan.tick, counted from the run's start) of warmup: ramp LR and momentum, then apply
+        the scale."""
         if ni > self.warmup.iters:
             return
         w, xi = self.warmup, [0, self.warmup.iters]

@@ -27,7 +27,7 @@ from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import ModelSource, RunConfig, resolve_model
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
-    accumulate_steps, smart_optimizer, warmup_iters
+    StepPlan, accumulate_steps, smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
@@ -60,6 +60,7 @@ class Training:
     grid: int  # the largest stride (at least 32): image sizes are multiples of it
     batch: int  # images per rank per step
     accumulate: int  # batches per optimizer step after warmup
+    steps: StepPlan  # a short run's large batch in micro-steps (the warmup counts them)
     memory_format: torch.memory_format
     state: RunState  # where the run stands, and every component's state
 
@@ -126,7 +127,9 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     nb = len(train_loader)  # before any resume skip shortens the sampler
-    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, nb, None if cfg.time else cfg.epochs, cfg.batch_size),
+    steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
+    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, steps.per_epoch, None if cfg.time else cfg.epochs,
+                                       round(cfg.batch_size / steps.per_batch)),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
     lr = LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr)
     state = RunState(epochs=cfg.epochs, batches_per_epoch=nb, model=model, ema=ema, optimizer=optimizer, scaler=scaler,
@@ -142,7 +145,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
                     model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
                     criterion=criterion, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
-                    batch=batch, accumulate=accumulate, memory_format=memory_format, state=state)
+                    batch=batch, accumulate=accumulate, steps=steps, memory_format=memory_format, state=state)
 
 
 def make_run_dir(cfg: RunConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
