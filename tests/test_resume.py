@@ -108,8 +108,10 @@ def test_a_run_from_shards_killed_and_resumed_is_the_folder_run(tiny_data, tmp_p
     _assert_same_run(reference("1-process"), torch.load(tmp_path / "cut" / "weights" / "last.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("kind", LAUNCHERS)
-def test_resume_is_bit_identical(tiny_data, tmp_path, kind, reference):
+def test_two_rank_resume_is_bit_identical(tiny_data, tmp_path, reference):
+    """torchrun, stopped after its first checkpoint and resumed: the undisturbed run's bits (one process: the
+    shard-index test above, and the mid-epoch one below)."""
+    kind = "2-process"
     launcher = LAUNCHERS[kind]
     resumes_from = _train_and_kill(launcher, tiny_data, tmp_path, "cut")
     p = subprocess.run([*launcher, "train.py", "--resume", str(tmp_path / "cut" / "weights" / "last.pt")],
@@ -158,7 +160,7 @@ def test_a_large_batch_trains_as_batch_16_and_resumes_exactly(forty_images, tmp_
     p = _train([sys.executable], forty_images, tmp_path, "cut", extra=("--batch-size", "32", "--epochs", "2"),
                script=die)
     assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "2 optimizer steps per batch (a step per 16 images)" in p.stdout
+    assert "2 optimizer steps per batch (a step per 16 images)" in p.stdout and "warmup 100 optimizer steps" in p.stdout
     last = tmp_path / "cut" / "weights" / "last.pt"
     cut = torch.load(last, weights_only=True)  # after one epoch: three AdamW steps, as batch 16's
     assert cut["optimizer_choice"]["steps_per_batch"] == 2
@@ -323,14 +325,13 @@ def _workers_of(agent_pid: int) -> list[int]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("seed", [0, 1])
-def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_path, reference, seed):
+def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_path, reference):
     """torchrun --max-restarts: SIGKILL one worker from outside at a random moment after training
     started (checkpoints are written after every step, so often mid-write); the restarted job
     continues its own last.pt and ends with the undisturbed run's exact weights."""
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(0)
     elastic = [*TORCHRUN, "--max-restarts", "2"]
     proc = subprocess.Popen([*elastic, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
                              "job", *ARGS, "--resume", "auto", "--exist-ok", "--save-interval", "1e-9"],
@@ -373,7 +374,7 @@ def test_stop_signals_at_random_moments_lose_nothing(tiny_data, tmp_path, kind, 
     cmd = [*LAUNCHERS[kind], "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name", "job",
            *ARGS, "--resume", "auto"]
     run_dir, saved = tmp_path / "job", []
-    for attempt in range(5):  # up to four stops, then the rest of the run
+    for attempt in range(4):  # up to three stops, then the rest of the run
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         lines, training = [], threading.Event()
@@ -386,7 +387,7 @@ def test_stop_signals_at_random_moments_lose_nothing(tiny_data, tmp_path, kind, 
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        if attempt < 4 and training.wait(timeout=120):
+        if attempt < 3 and training.wait(timeout=120):
             time.sleep(rng.uniform(0, 0.5))
             if proc.poll() is None:
                 os.kill(proc.pid if target == "launcher" else rng.choice(_children(proc.pid)), sig)

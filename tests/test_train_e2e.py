@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -78,15 +79,17 @@ def test_val_reproduces_best_epoch_metrics(ddp_run, tiny_data):
 
 
 @pytest.mark.dist
-def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data):
+def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data, tmp_path):
     run_dir, _ = ddp_run
-    outs = []
-    for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]):
+    outs, torchrun = [], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for launcher, name in (([sys.executable], "v1"), (torchrun, "v2")):
         p = _run([*launcher, "val.py", "--noplots", "--weights", str(run_dir / "weights" / "last.pt"), "--data", str(tiny_data),
-                  "--batch-size", "2", "--workers", "0"])
+                  "--batch-size", "2", "--workers", "0", "--save-json", "--project", str(tmp_path), "--name", name])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         outs.append([l for l in p.stdout.splitlines() if l.startswith("Results:")][-1])
+        assert json.loads((tmp_path / name / "metrics.json").read_text())["end2end"] is True
     assert outs[0] == outs[1]
+    assert (tmp_path / "v1" / "predictions.json").read_bytes() == (tmp_path / "v2" / "predictions.json").read_bytes()
 
 
 @pytest.mark.dist

@@ -40,7 +40,8 @@ def log_start_summary(t: Training) -> None:
         if changed else f"the family's defaults ({family.name})"))
     c = t.optimizer_choice
     lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.lr.warmup.iters} "
-                 f"iterations (bias lr from {c.warmup_bias_lr:g}); {c.reason}")
+                 f"{'optimizer steps' if t.steps.per_batch > 1 else 'iterations'} (bias lr from "
+                 f"{c.warmup_bias_lr:g}); {c.reason}")
     epoch, batches = t.state.epoch, t.state.batch
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
     plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {t.state.epochs} planned until "
