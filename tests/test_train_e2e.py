@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import subprocess
 import sys
 
@@ -87,7 +86,6 @@ def test_val_under_torchrun_matches_single_process(ddp_run, tiny_data, tmp_path)
                   "--batch-size", "2", "--workers", "0", "--save-json", "--project", str(tmp_path), "--name", name])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         outs.append([l for l in p.stdout.splitlines() if l.startswith("Results:")][-1])
-        assert json.loads((tmp_path / name / "metrics.json").read_text())["end2end"] is True
     assert outs[0] == outs[1]
     assert (tmp_path / "v1" / "predictions.json").read_bytes() == (tmp_path / "v2" / "predictions.json").read_bytes()
 

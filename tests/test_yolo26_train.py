@@ -1,8 +1,9 @@
 """YOLO26 (the end-to-end head, E2ELoss with ProgLoss) keeps the engine's guarantees: two ranks, a stop signal
-mid-epoch and --resume end bit-identical to the undisturbed run (val.py on one rank and two for the end-to-end
-family: tests/test_train_e2e.py)."""
+mid-epoch and --resume end bit-identical to the undisturbed run, and validation gives the same numbers on one
+rank and two."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +72,15 @@ def test_yolo26_two_ranks_stopped_and_resumed_end_as_the_undisturbed_run(tiny_da
     _assert_same_run(torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True),
                      torch.load(last, weights_only=True))
 
+    best, scores = tmp_path / "straight" / "weights" / "best.pt", []
+    for launcher, name in (([sys.executable], "v1"), (TORCHRUN, "v2")):
+        p = _run([*launcher, "val.py", "--weights", str(best), "--data", str(tiny_data), "--imgsz", "64",
+                  "--batch-size", "6", "--save-json", "--noplots", "--project", str(tmp_path), "--name", name])
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        scores.append(json.loads((tmp_path / name / "metrics.json").read_text())["metrics"])
+        assert json.loads((tmp_path / name / "metrics.json").read_text())["end2end"] is True
+    assert scores[0] == scores[1]
+    assert (tmp_path / "v1" / "predictions.json").read_text() == (tmp_path / "v2" / "predictions.json").read_text()
 
 
 def test_yolo26_musgd_two_ranks_roll_back_a_diverged_step_and_a_time_budget_ends_cleanly(tiny_data, tmp_path):
