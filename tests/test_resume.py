@@ -45,6 +45,11 @@ def _train_and_kill(launcher, data, project, name) -> str:
     os.killpg(proc.pid, signal.SIGTERM if launcher == TORCHRUN else signal.SIGKILL)
     proc.wait()
     _wait_until_gone(str(project / name))
+    return _resumes_from(last)
+
+
+def _resumes_from(last) -> str:
+    """The resume log's "from epoch ..." text for an interrupted run's last.pt."""
     ckpt = torch.load(last, weights_only=True)
     epoch, done = ckpt["epoch"], ckpt.get("batches_done", 0)
     assert epoch < EPOCHS - 1 and "optimizer" in ckpt, "the run finished before it could be interrupted"
@@ -245,14 +250,14 @@ def test_resume_of_a_run_from_before_amp_keeps_fp32_on_cpu(interrupted, tmp_path
     assert ", fp32" in p.stdout and torch.load(last, weights_only=True)["args"]["amp"] is False
 
 
-def test_resume_auto_starts_then_continues(tiny_data, tmp_path):
+def test_resume_auto_starts_then_continues(tiny_data, tmp_path, interrupted):
     auto = ["--resume", "auto"]
     p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
                         "job", *ARGS, "--epochs", "1", *auto], cwd=ROOT, env=run_env(), capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and "no " in p.stdout and "yet; starting the run" in p.stdout
     assert (tmp_path / "job" / "weights" / "last.pt").is_file() and not (tmp_path / "job2").exists()
-    resumes_from = _train_and_kill([sys.executable], tiny_data, tmp_path, "job2")
+    resumes_from = _resumes_from(_copy_run(interrupted, tmp_path / "job2"))
     p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
                         "job2", *ARGS, *auto], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
