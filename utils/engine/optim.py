@@ -126,8 +126,8 @@ class StepPlan:
     def of(cls, batch: int, steps_per_batch: int, samples: int) -> StepPlan:
         """``batch`` images per rank per batch, ``samples`` per rank per epoch (the last batch holds the rest)."""
         part = math.ceil(batch / max(steps_per_batch, 1))
-        full, rest = divmod(samples, batch)
-        return cls(math.ceil(batch / part), part, full * math.ceil(batch / part) + math.ceil(rest / part))
+        per_batch, (full, rest) = math.ceil(batch / part), divmod(samples, batch)
+        return cls(per_batch, part, full * per_batch + math.ceil(rest / part))
 
     def parts(self, n: int) -> list[slice]:
         """A batch of ``n`` images in ceil(n / part) consecutive slices whose lengths differ by at most one: an

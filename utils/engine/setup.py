@@ -120,14 +120,14 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
         cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size)
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
-    step_images = cfg.batch_size * accumulate / choice.steps_per_batch
+    steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
+    step_images = cfg.batch_size * accumulate / steps.per_batch
     decay = hyp.weight_decay * step_images / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
                                 model.detect.class_branches(), choice.class_lr_gain)
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     nb = len(train_loader)  # before any resume skip shortens the sampler
-    steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, steps.per_epoch, None if cfg.time else cfg.epochs,
                                        round(cfg.batch_size / steps.per_batch)),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)

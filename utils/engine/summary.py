@@ -21,7 +21,7 @@ def log_start_summary(t: Training) -> None:
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
              colorstr("Devices: ") + kind,
              colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
-             + step_note(t.batch * info.world_size, t.accumulate, t.optimizer_choice.steps_per_batch)
+             + step_note(t.batch * info.world_size, t.accumulate, t.steps.per_batch)
              + f"; {t.batches_per_epoch} batches per epoch per rank",
              colorstr("Data: ") + str(t.data.file)]
     for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
