@@ -152,11 +152,15 @@ def test_agnostic_topk_keeps_one_class_per_box():
 
 def assert_fused_copy_matches(model: Model) -> Model:
     """A fused copy of an end-to-end model gives its detections and both branches' raw levels; returns the copy."""
-    x = torch.rand(2, 3, 64, 96)
+    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))
     fused = copy.deepcopy(model).fuse()
     with torch.no_grad():
         (a, ra), (b, rb) = model(x), fused(x)
-    assert torch.allclose(a, b, atol=1e-4)
+    # the same detections, in any order among equal scores: an untrained head scores neighbouring anchors
+    # alike, and rounding (fused or not, per CPU) can swap two such rows in the top-k
+    for p, q in zip(a, b):
+        gap = (p[:, None, :] - q[None, :, :]).abs().amax(-1)  # every row of one against every row of the other
+        assert len(p) == len(q) and (gap.amin(1) < 1e-4).all() and (gap.amin(0) < 1e-4).all()
     for key in ("one2many", "one2one"):
         for p, q in zip(ra[key], rb[key]):
             assert torch.allclose(p, q, atol=1e-4)
