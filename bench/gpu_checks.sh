@@ -5,8 +5,8 @@
 #   bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]
 #
 # 1. bench/gpu_train.py, yolov8n at 640, batch 64: ours with the loader workers drawing the augmentation
-#    and with the GPU drawing it (--augment-on workers / device), and with one optimizer step per batch
-#    (one-step: --optimizer AdamW, against auto's 4 micro-steps of 16 images; the micro-steps' GPU cost),
+#    and with the GPU drawing it (--augment-on workers / device), and in micro-steps (--micro-steps on:
+#    4 AdamW steps of 16 images per batch, against auto's one step per batch on CUDA; their GPU cost),
 #    beside Ultralytics, at 8 and 4 loader workers: train img/s, data wait, validation img/s and where
 #    the validation time goes.
 # 2. pytest -m cuda (the GPU twins of the CPU tests; one GPU).
@@ -46,7 +46,7 @@ if [ -n "$PEER" ]; then who=(--ultralytics-python "$PEER"); else who=(--only our
 rm -rf /tmp/gpu_checks
 stage gpu_train "${TRAIN_SECONDS:-300}" "$PY" bench/gpu_train.py "${who[@]}" --models yolov8n "${SIZE[@]}" \
   --workers 8 4 --ours-variant workers="--augment-on workers" --ours-variant device="--augment-on device" \
-  --ours-variant one-step="--augment-on device --optimizer AdamW" \
+  --ours-variant micro-steps="--augment-on device --micro-steps on" \
   --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json"
 stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -q -p no:cacheprovider --durations=10
 stage loader "${LOADER_SECONDS:-100}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \

@@ -157,7 +157,8 @@ def forty_images(tmp_path_factory) -> Path:
 def test_a_large_batch_trains_as_batch_16_and_resumes_exactly(forty_images, tmp_path):
     """Batch 32 in a short run on one rank: each batch trains in optimizer steps of 16 images (the short last
     batch of 8 in one), the warmup ramping per step, so the run is bit-identical to one at batch 16 on the
-    same images; killed after epoch 1's checkpoint and resumed, it still is."""
+    same images; killed after epoch 1's checkpoint and resumed, it still is, even when the resume asks for
+    --micro-steps off (the saved choice stands). A fresh run with --micro-steps off takes one step a batch."""
     p = _train([sys.executable], forty_images, tmp_path, "sixteen", extra=("--batch-size", "16", "--epochs", "2"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     sixteen = torch.load(tmp_path / "sixteen" / "weights" / "last.pt", weights_only=True)
@@ -170,14 +171,20 @@ def test_a_large_batch_trains_as_batch_16_and_resumes_exactly(forty_images, tmp_
     cut = torch.load(last, weights_only=True)  # after one epoch: three AdamW steps, as batch 16's
     assert cut["optimizer_choice"]["steps_per_batch"] == 2
     assert {int(s["step"]) for s in cut["optimizer"]["state"].values()} == {3}
-    p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(last), "--micro-steps", "off", "--allow-changes"],
+                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "from epoch 2 of 2" in p.stdout
     resumed = torch.load(last, weights_only=True)
     for key in ("model", "ema"):
         assert all(torch.equal(sixteen[key][k], resumed[key][k]) for k in sixteen[key]), key
     assert sixteen["metrics"] == resumed["metrics"]
+    p = _train([sys.executable], forty_images, tmp_path, "off", extra=("--batch-size", "32", "--epochs", "1",
+                                                                     "--micro-steps", "off"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "a step every batch of 32 images (--micro-steps off; on: a step per 16 images)" in p.stdout
+    off = torch.load(tmp_path / "off" / "weights" / "last.pt", weights_only=True)
+    assert off["optimizer_choice"]["steps_per_batch"] == 1
 
 
 def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_data, tmp_path):

@@ -141,6 +141,25 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     assert (sgd.lr, sgd.steps_per_batch) == (hyp.lr0, 1)  # YOLOv5's SGD recipe is unchanged
 
 
+def test_micro_steps_are_on_for_a_cpu_and_off_on_cuda_unless_asked():
+    """--micro-steps auto resolves by the device (a CUDA step has a fixed cost, a CPU step costs its images);
+    off, a short run's large batch is one AdamW step at the linear lr gain, which the reason names."""
+    from utils.engine.config import micro_steps_default
+    from utils.engine.recipe import RECIPES
+    assert micro_steps_default("auto", torch.device("cpu")) == "on"
+    assert micro_steps_default("auto", torch.device("cuda", 0)) == "off"
+    assert micro_steps_default("on", torch.device("cuda", 0)) == "on"
+    assert micro_steps_default("off", torch.device("cpu")) == "off"
+    rule = RECIPES["anchor-free"]
+    on = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, micro_steps=True)
+    off = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, micro_steps=False)
+    assert (on.steps_per_batch, off.steps_per_batch) == (4, 1)
+    assert off.lr == round(on.lr * 4, 7)  # 64 images a step: the linear rule
+    assert "a step every batch of 64 images (--micro-steps off; on: a step per 16 images)" in off.reason
+    small = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30, micro_steps=False)
+    assert small == rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30)  # nothing to cut
+
+
 def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
     """Micro-steps of 16 at batch 64: 800 images take 50 steps an epoch, the short last batch of 32 two of 16,
     and the warmup ticks run through them one for one as the batch-16 run's batches; without micro-steps a

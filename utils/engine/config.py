@@ -180,7 +180,8 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     dist.per_rank_batch(val_batch, info, "--val-batch-size")
     return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
                         "channels_last": channels_last, "amp": amp, "batch_size": batch,
-                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on, device)})
+                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on, device),
+                        "micro_steps": micro_steps_default(args.micro_steps, device)})
 
 
 def augment_default(flag: str, device: torch.device) -> str:
@@ -190,6 +191,14 @@ def augment_default(flag: str, device: torch.device) -> str:
     if flag != "auto":
         return flag
     return "device" if device.type == "cuda" else "workers"
+
+
+def micro_steps_default(flag: str, device: torch.device) -> str:
+    """--micro-steps auto: on for a CPU run, where a step's cost is its images; off for a CUDA run, where each
+    step has a fixed cost that micro-steps multiply (measured: docs/benchmarks.md, "GPU training")."""
+    if flag != "auto":
+        return flag
+    return "off" if device.type == "cuda" else "on"
 
 
 def _classes(args: argparse.Namespace) -> int:

@@ -118,7 +118,8 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size)
+        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size,
+        micro_steps=cfg.micro_steps != "off")
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
     steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     step_images = cfg.batch_size * accumulate / steps.per_batch
