@@ -9,11 +9,14 @@
 #    4 AdamW steps of 16 images per batch, against auto's one step per batch on CUDA; their GPU cost),
 #    beside Ultralytics, at 8 and 4 loader workers: train img/s, data wait, validation img/s and where
 #    the validation time goes.
-# 2. pytest -m cuda (the GPU twins of the CPU tests; one GPU).
-# 3. bench/loader_speed.py at 640, batch 64: the loader's stages with the CUDA ones (pinning, host to
+# 2. bench/val_speed.py on stage 1's device-path checkpoint: val.py end to end and where its time goes.
+# 3. pytest -m cuda (the GPU twins of the CPU tests; one GPU), each test at most TEST_EACH seconds where
+#    pytest-timeout is installed.
+# 4. bench/loader_speed.py at 640, batch 64: the loader's stages with the CUDA ones (pinning, host to
 #    device, the GPU's drawing of a batch).
 # Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (300),
-# TEST_SECONDS (200), LOADER_SECONDS (100); about 10 minutes in all on an H200 host, under a 15-minute loan.
+# VAL_SECONDS (60), TEST_SECONDS (200), TEST_EACH (120), LOADER_SECONDS (100); about 11 minutes in all on
+# an H100 host, under a 15-minute loan.
 # The data is the built-in shapes generator at 640 px (never the photo set), made by stage 1.
 # SMOKE=1 runs the same stages on the CPU at toy sizes (figures meaningless): check the script before a loan.
 set -u
@@ -22,8 +25,9 @@ OUT=${1:?usage: bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]}
 PEER=${2:-}
 if [ "${SMOKE:-0}" = 1 ]; then
   SIZE=(--device cpu --imgsz 64 --batch-size 8 --steps 4 --warmup 1 --n-val 8 --epochs 2); LOADER_SIZE=(--imgsz 64 --batch 8)
+  VAL=(--device cpu --imgsz 64 --batch-size 16)
 else
-  SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64)
+  SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64); VAL=(--device 0 --imgsz 640 --batch-size 128)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/mpl} YOLO_CONFIG_DIR=${YOLO_CONFIG_DIR:-/tmp/yolo_cfg}
@@ -48,6 +52,11 @@ stage gpu_train "${TRAIN_SECONDS:-300}" "$PY" bench/gpu_train.py "${who[@]}" --m
   --workers 8 4 --ours-variant workers="--augment-on workers" --ours-variant device="--augment-on device" \
   --ours-variant micro-steps="--augment-on device --micro-steps on" \
   --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json"
-stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -q -p no:cacheprovider --durations=10
+W=$(ls -d /tmp/gpu_checks/yolov8n/workers*/device | head -1)  # stage 1's device-path run
+stage val_speed "${VAL_SECONDS:-60}" "$PY" bench/val_speed.py --weights "$W/runs/train/weights/last.pt" \
+  --data "$W/data/data.yaml" "${VAL[@]}" --workers 8 --runs 2 --noplots
+each=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then each=(--timeout "${TEST_EACH:-120}"); fi
+stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -v -p no:cacheprovider --durations=10 "${each[@]}"
 stage loader "${LOADER_SECONDS:-100}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \
   "${LOADER_SIZE[@]}" --workers 0 4 8 --batches 6 --json "$OUT/loader.json"

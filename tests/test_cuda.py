@@ -17,9 +17,24 @@ SCRIPTS = ROOT / "tests" / "scripts"
 pytestmark = pytest.mark.slow
 
 
+RUN_SECONDS = 300  # one tiny training on a GPU host: a run past this has stalled
+
+
+def _run(cmd: list, name: str, env=None) -> subprocess.CompletedProcess:
+    """A train.py run that fails the test naming the run and its last output when it stalls, instead of
+    holding the GPU checks' time to the end."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=RUN_SECONDS)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"run {name!r} still running after {RUN_SECONDS} s: {' '.join(map(str, cmd))}\n"
+                    f"{out[-2000:]}\n{err[-2000:]}")
+
+
 def _train(tmp_path, name: str, extra=(), script=("train.py",), launcher=(sys.executable,), env=None, data=None):
     cmd = [*launcher, *map(str, script), "--data", str(data), "--project", str(tmp_path), "--name", name, *ARGS, *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=900)
+    return _run(cmd, name, env)
 
 
 def _weights(path) -> dict:
@@ -66,8 +81,7 @@ def test_exact_resume_on_cuda_under_deterministic(tiny_data, tmp_path):
     die = (SCRIPTS / "die_after_save.py", "--die-at", "2:2")
     _train(tmp_path, "cut", ["--device", "0", "--deterministic", "--save-interval", "1e-9"], script=die, data=tiny_data)
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = subprocess.run([sys.executable, "train.py", "--resume", str(last)], cwd=ROOT, env=run_env(),
-                       capture_output=True, text=True, timeout=900)
+    p = _run([sys.executable, "train.py", "--resume", str(last)], "resume")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert _same(_weights(tmp_path / "straight" / "weights" / "last.pt"), _weights(last))
 
@@ -79,8 +93,8 @@ def test_a_resume_sees_fewer_gpus_than_the_run_saved_with(tiny_data, tmp_path):
     two = {**run_env(), "CUDA_VISIBLE_DEVICES": "0,1"}
     _train(tmp_path, "cut", ["--device", "1", "--save-interval", "1e-9"], script=die, env=two, data=tiny_data)
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = subprocess.run([sys.executable, "train.py", "--resume", str(last), "--device", "0"], cwd=ROOT,
-                       env={**run_env(), "CUDA_VISIBLE_DEVICES": "1"}, capture_output=True, text=True, timeout=900)
+    p = _run([sys.executable, "train.py", "--resume", str(last), "--device", "0"], "resume",
+             env={**run_env(), "CUDA_VISIBLE_DEVICES": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
 
 
