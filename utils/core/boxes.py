@@ -189,15 +189,18 @@ def postprocess(out: torch.Tensor, end2end: bool, conf_thres: float = 0.25, iou_
         raise ValueError(f"conf_thres {conf_thres} must lie in [0, 1]")
     if out.ndim != 3 or out.shape[2] != 6:
         raise ValueError(f"end-to-end output must be (B, max_det, 6) detections, got {tuple(out.shape)}")
-    return [_select_end2end(d, conf_thres, classes, max_det) for d in out]
+    return _select_end2end(out, conf_thres, classes, max_det)
 
 
-def _select_end2end(d: torch.Tensor, conf_thres: float, classes: list[int] | None, max_det: int) -> torch.Tensor:
-    """One image's end-to-end rows kept by score and class, best first (a stable sort: the head's order
-    holds for equal scores, and an export whose rows are not sorted still gives the top ones)."""
-    keep = d[:, 4] > conf_thres
+def _select_end2end(out: torch.Tensor, conf_thres: float, classes: list[int] | None,
+                    max_det: int) -> list[torch.Tensor]:
+    """Each image's end-to-end rows kept by score and class, best first (a stable sort: the head's order
+    holds for equal scores, and an export whose rows are not sorted still gives the top ones). The batch in
+    one sort, dropped rows last, and one host synchronisation (the counts) instead of one per image."""
+    keep = out[..., 4] > conf_thres
     if classes is not None:
-        keep &= (d[:, 5:6] == torch.tensor(classes, device=d.device, dtype=d.dtype)).any(1)
-    d = d[keep]
-    order = torch.sort(d[:, 4], descending=True, stable=True).indices[:max_det]
-    return d[order]
+        keep &= (out[..., 5:6] == torch.tensor(classes, device=out.device, dtype=out.dtype)).any(-1)
+    score = torch.where(keep, out[..., 4], torch.full((), float("-inf"), dtype=out.dtype, device=out.device))
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    counts = keep.sum(1).clamp(max=max_det).tolist()
+    return [d[o[:k]] for d, o, k in zip(out, order, counts)]
