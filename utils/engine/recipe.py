@@ -72,7 +72,8 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     steps) when ``micro_steps`` (--micro-steps: by default on a CPU, where a step's cost is its images, not
     on CUDA, where each step has a fixed cost: docs/benchmarks.md, "GPU training"), and what a step sees
     beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most SHORT_LR_MAX. Long schedules use SGD
-    at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the nominal 64 (Ultralytics 8.3's choice; 8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
+    at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the nominal 64 (Ultralytics 8.3's choice;
+    8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
     step = max(batch_size, NOMINAL_BATCH)  # the schedule counts steps of 64 images, or of one larger batch
     iterations = math.ceil(n_images / step) * epochs
     if iterations > AUTO_SGD_ITERATIONS:
