@@ -4,19 +4,21 @@
 #
 #   bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]
 #
-# 1. bench/gpu_train.py, yolov8n at 640, batch 64: ours with the loader workers drawing the augmentation
-#    and with the GPU drawing it (--augment-on workers / device), and in micro-steps (--micro-steps on:
-#    4 AdamW steps of 16 images per batch, against auto's one step per batch on CUDA; their GPU cost),
-#    beside Ultralytics, at 8 and 4 loader workers: train img/s, data wait, validation img/s and where
-#    the validation time goes.
-# 2. bench/val_speed.py on stage 1's device-path checkpoint: val.py end to end and where its time goes.
-# 3. pytest -m cuda (the GPU twins of the CPU tests; one GPU), each test at most TEST_EACH seconds where
+# 1. bench/gpu_train.py, yolov8n at 640, batch 64: ours as a CUDA run trains by default (the GPU draws
+#    the augmentation, the loader's batch buffers page-locked in place, one AdamW step per batch) beside
+#    Ultralytics, at 8 and 4 loader workers: train img/s, data wait, validation img/s and where the
+#    validation time goes.
+# 2. bench/loader_speed.py at 640, batch 64, 4 and 8 workers: the loaders' rates, and the device path's
+#    batches delivered to the GPU with each batch pinned by copying and with the buffers locked in place.
+# 3. bench/train_speed.py at 640, batch 64 on the GPU: where a training step's time goes (torch profiler).
+# 4. bench/val_speed.py on stage 1's checkpoint: val.py end to end and where its time goes.
+# 5. pytest -m cuda (the GPU twins of the CPU tests; one GPU), each test at most TEST_EACH seconds where
 #    pytest-timeout is installed.
-# 4. bench/loader_speed.py at 640, batch 64: the loader's stages with the CUDA ones (pinning, host to
-#    device, the GPU's drawing of a batch).
-# Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (300),
-# VAL_SECONDS (60), TEST_SECONDS (200), TEST_EACH (120), LOADER_SECONDS (100); about 11 minutes in all on
-# an H100 host, under a 15-minute loan.
+# STAGES picks and orders them (default: all five, as above); stages 2 and 4 read stage 1's data and run.
+# Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (280),
+# LOADER_SECONDS (120), STEP_SECONDS (90), VAL_SECONDS (60), TEST_SECONDS (200), TEST_EACH (200); about
+# 12 minutes in all on an H100 host: one device call holds at most 10, so a 15-minute loan runs
+# STAGES="gpu_train loader train_speed val_speed" and then STAGES=cuda_tests.
 # The data is the built-in shapes generator at 640 px (never the photo set), made by stage 1.
 # SMOKE=1 runs the same stages on the CPU at toy sizes (figures meaningless): check the script before a loan.
 set -u
@@ -25,9 +27,11 @@ OUT=${1:?usage: bash bench/gpu_checks.sh OUT [ULTRALYTICS_PYTHON]}
 PEER=${2:-}
 if [ "${SMOKE:-0}" = 1 ]; then
   SIZE=(--device cpu --imgsz 64 --batch-size 8 --steps 4 --warmup 1 --n-val 8 --epochs 2); LOADER_SIZE=(--imgsz 64 --batch 8)
-  VAL=(--device cpu --imgsz 64 --batch-size 16)
+  VAL=(--device cpu --imgsz 64 --batch-size 16); LOADER_WORKERS=(0 2)
+  STEP=(--device cpu --imgsz 64 --batch-size 8 --warmup 1 --steps 2 --workers 0)
 else
   SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64); VAL=(--device 0 --imgsz 640 --batch-size 128)
+  LOADER_WORKERS=(4 8); STEP=(--device 0 --imgsz 640 --batch-size 64 --warmup 5 --steps 15 --workers 8)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/mpl} YOLO_CONFIG_DIR=${YOLO_CONFIG_DIR:-/tmp/yolo_cfg}
@@ -47,16 +51,30 @@ nvidia-smi -L 2>/dev/null | head -2
 "$PY" -c "import torch, torchvision, cv2; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cv2', cv2.__version__, 'cores', __import__('os').cpu_count())"
 
 if [ -n "$PEER" ]; then who=(--ultralytics-python "$PEER"); else who=(--only ours); fi
-rm -rf /tmp/gpu_checks
-stage gpu_train "${TRAIN_SECONDS:-300}" "$PY" bench/gpu_train.py "${who[@]}" --models yolov8n "${SIZE[@]}" \
-  --workers 8 4 --ours-variant workers="--augment-on workers" --ours-variant device="--augment-on device" \
-  --ours-variant micro-steps="--augment-on device --micro-steps on" \
-  --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json"
-W=$(ls -d /tmp/gpu_checks/yolov8n/workers*/device | head -1)  # stage 1's device-path run
-stage val_speed "${VAL_SECONDS:-60}" "$PY" bench/val_speed.py --weights "$W/runs/train/weights/last.pt" \
-  --data "$W/data/data.yaml" "${VAL[@]}" --workers 8 --runs 2 --noplots
-each=()
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then each=(--timeout "${TEST_EACH:-120}"); fi
-stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -v -p no:cacheprovider --durations=10 "${each[@]}"
-stage loader "${LOADER_SECONDS:-100}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \
-  "${LOADER_SIZE[@]}" --workers 0 4 8 --batches 6 --json "$OUT/loader.json"
+run_stage() {
+  case $1 in
+  gpu_train)
+    rm -rf /tmp/gpu_checks
+    stage gpu_train "${TRAIN_SECONDS:-280}" "$PY" bench/gpu_train.py "${who[@]}" --models yolov8n "${SIZE[@]}" \
+      --workers 8 4 --ours-variant device="--augment-on device" \
+      --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json" ;;
+  loader)
+    stage loader "${LOADER_SECONDS:-120}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \
+      "${LOADER_SIZE[@]}" --workers "${LOADER_WORKERS[@]}" --batches 6 --no-stages --json "$OUT/loader.json" ;;
+  train_speed)
+    stage train_speed "${STEP_SECONDS:-90}" "$PY" bench/train_speed.py --models yolov8n "${STEP[@]}" \
+      --data /tmp/gpu_checks/source/shapes.yaml \
+      --profile torch --profile-rows 30 --json "$OUT/train_speed.json" ;;
+  val_speed)
+    W=$(ls -d /tmp/gpu_checks/yolov8n/workers*/device | head -1)  # stage 1's run
+    stage val_speed "${VAL_SECONDS:-60}" "$PY" bench/val_speed.py --weights "$W/runs/train/weights/last.pt" \
+      --data "$W/data/data.yaml" "${VAL[@]}" --workers 8 --runs 2 --noplots ;;
+  cuda_tests)
+    each=()
+    if "$PY" -c "import pytest_timeout" 2>/dev/null; then each=(--timeout "${TEST_EACH:-200}"); fi
+    stage cuda_tests "${TEST_SECONDS:-200}" "$PY" -m pytest -m cuda tests -v -p no:cacheprovider --durations=10 \
+      "${each[@]}" ;;
+  *) echo "unknown stage $1" ;;
+  esac
+}
+for name in ${STAGES:-gpu_train loader train_speed val_speed cuda_tests}; do run_stage "$name"; done

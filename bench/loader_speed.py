@@ -20,7 +20,9 @@ For every image size and batch it prints:
   rates    steady images/s of each loader built as its trainer builds it (ours: training's loader, with its
            reused batch memory; the device path's loader, whose workers only read and pack), per worker
            count, and ours / Ultralytics. Both tools get the same worker count, so the ratio is also the
-           ratio per core.
+           ratio per core. On CUDA also the device path's batches delivered to the GPU as a CUDA run feeds
+           them (pinned, copied and drawn on a side stream: utils/data/device_feed.py), with each batch
+           pinned by copying and with the reused buffers page-locked in place (utils/data/pinning.py).
 
 Everything runs with one OpenCV and one torch thread per process, so 0 workers means one core and N workers
 N cores (plus the main process, which only receives). Figures are measured in this run only. Run it alone
@@ -57,9 +59,10 @@ from utils.data import dataset as dataset_module  # noqa: E402
 from utils.data import render as render_module  # noqa: E402
 from utils.data.batch import Batch, BatchMemory  # noqa: E402
 from utils.data.config import load_data_config, prepare_dataset  # noqa: E402
+from utils.data.device_feed import on_device  # noqa: E402
 from utils.data.device_augment import render_batch  # noqa: E402
 from utils.data.imgcache import release_ram_caches  # noqa: E402
-from utils.data.loader import TrainSampler, create_dataloader  # noqa: E402
+from utils.data.loader import PREFETCH, TrainSampler, create_dataloader  # noqa: E402
 
 STAGES = ("read+decode", "plan", "placement", "warp", "colour", "flip", "assembly")
 
@@ -181,13 +184,12 @@ def handover_times(imgsz: int, batch: int, batches: int) -> dict[str, float]:
 
 def loader_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, cache: str | None, batches: int,
                 device_path: bool) -> float:
-    """Steady images/s of the training loader as build_training makes it (each worker's first batch excluded:
-    start-up)."""
+    """Steady images/s of the training loader as build_training makes it (after ``warm_batches``)."""
     loader = create_dataloader(data.train, imgsz, batch, 32, info=DistInfo(), hyp=hyp, augment=True, shuffle=True,
                                workers=workers, nc=data.nc, cache=cache, seed=0, prefix="", reuse_memory=True,
                                render_on_device=device_path)
     it = epochs(loader)
-    for _ in range(max(workers, 1)):
+    for _ in range(warm_batches(workers)):
         next(it)
     n, t0 = 0, time.perf_counter()
     for _ in range(batches):
@@ -196,6 +198,31 @@ def loader_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, cache: str
     release_ram_caches(0, loader.dataset.imgcache)  # do not leave the /dev/shm file behind
     del it, loader
     return rate
+
+
+def delivered_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, batches: int, in_place: bool) -> float:
+    """Steady images/s of the device path's batches on the GPU, fed as training feeds them: pinned (copied, or
+    the reused buffers locked in place), then copied and drawn on a side stream one batch ahead."""
+    loader = create_dataloader(data.train, imgsz, batch, 32, info=DistInfo(), hyp=hyp, augment=True, shuffle=True,
+                               workers=workers, nc=data.nc, seed=0, prefix="", pin_memory=True,
+                               reuse_memory=in_place, render_on_device=True)
+    fed = on_device(epochs(loader), torch.device("cuda"), torch.channels_last)
+    for _ in range(warm_batches(workers)):
+        next(fed)
+    torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    for _ in range(batches):
+        n += next(fed).batch.size
+    torch.cuda.synchronize()
+    rate = n / (time.perf_counter() - t0)
+    del fed, loader
+    return rate
+
+
+def warm_batches(workers: int) -> int:
+    """Batches taken before the timing starts: each worker's first (start-up), and twice the batches the
+    workers prepare ahead, so the timed ones come at the rate they are made, not from the queue."""
+    return max(workers, 1) + 2 * PREFETCH * workers
 
 
 def epochs(loader):
@@ -298,6 +325,13 @@ def rates(a, data, hyp: Hyp, imgsz: int, batch: int, peer: dict | None) -> list[
                 rows.append({"loader": name, "workers": w, "img_s": r, "ultralytics_img_s": u})
                 ratio = f"{r / u:.2f}x" if u else ""
                 print(f"  {name:<38}{w:>8}{r:>10.1f}{(f'{u:.1f}' if u else '-'):>13}{ratio:>12}")
+    if torch.cuda.is_available():
+        for in_place in (False, True):
+            name = f"device path on the GPU, pinned {'in place' if in_place else 'by copy'}"
+            for w in a.workers:
+                r = delivered_rate(data, hyp, imgsz, batch, w, a.batches, in_place)
+                rows.append({"loader": name, "workers": w, "img_s": r, "ultralytics_img_s": None})
+                print(f"  {name:<38}{w:>8}{r:>10.1f}{'-':>13}{'':>12}")
     return rows
 
 

@@ -144,7 +144,10 @@ def test_reused_memory_comes_round_after_its_slots():
     memory = BatchMemory(reuse=True, slots=3)
     first = [memory.take(100).data_ptr() for _ in range(3)]
     assert len(set(first)) == 3 and [memory.take(100).data_ptr() for _ in range(3)] == first
-    assert memory.take(200).numel() == 200  # a larger batch grows its slot
+    grown = memory.take(200)  # a larger batch grows its slot, with room for a larger one still
+    assert grown.numel() == 200 and grown.data_ptr() != first[0]
+    memory.take(100), memory.take(100)
+    assert memory.take(240).data_ptr() == grown.data_ptr()  # in the room left: no new buffer
     fresh = BatchMemory(reuse=False)
     a, b = fresh.take(10), fresh.take(10)
     assert a.data_ptr() != b.data_ptr()  # every batch its own memory: a consumer may keep them all

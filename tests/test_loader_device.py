@@ -11,7 +11,11 @@ import torch
 from tests.conftest import write_val_split
 from utils.core import cpu
 from utils.core.dist import DistInfo
+from utils.core.hyp import Hyp
+from utils.data.batch import BatchMemory
 from utils.data.loader import create_dataloader
+from utils.data.pinning import PAGE_LOCKS, PageLocks
+from utils.data.shapes import generate_shapes
 
 
 @pytest.fixture
@@ -48,3 +52,58 @@ def test_workers_are_sized_by_the_affinity_mask(split, monkeypatch):
     info = DistInfo(rank=0, local_rank=0, world_size=2, local_world_size=2)
     assert create_dataloader(split, 64, 4, 32, nc=1, workers=8, info=info).num_workers == 2
 
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_batches_are_pinned_in_place_only_where_the_consumer_lets_go(split, reuse):
+    """Pinning may lock a batch's buffer where it lies only when the consumer promised to let go of each batch
+    in time (reuse_memory); otherwise a pinned batch stays a copy. The promise reaches the workers."""
+    loader = create_dataloader(split, 64, 2, 32, nc=1, workers=1, pin_memory=False, reuse_memory=reuse)
+    assert loader.dataset.memory.pin_in_place is reuse
+    assert all(b.pin_in_place is reuse for b in loader)  # written by the worker process
+    assert BatchMemory(reuse=False, pin_in_place=True).pin_in_place is False  # fresh memory per batch: never
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("device_path", [False, True], ids=["workers-path", "device-path"])
+def test_a_cuda_loader_pins_its_ring_in_place(tmp_path, workers, device_path):
+    """A CUDA run's loader locks each reused buffer once and hands over batches in those same buffers (no copy
+    per batch), holding the same pixels a copying loader gives. Three epochs: a slot that a larger batch
+    outgrows (the device path's tile bytes vary) is a new buffer, so the count is bounded, not the slots'."""
+    generate_shapes(tmp_path / "s", seed=3, n_train=48, n_val=0, img_size=96)
+    train = tmp_path / "s" / "images" / "train"
+    torch.cuda.init()
+
+    def batches(reuse: bool) -> list:
+        loader = create_dataloader(train, 96, 4, 32, hyp=Hyp(mosaic=1.0), augment=True, shuffle=True, nc=6,
+                                   workers=workers, seed=1, pin_memory=True, reuse_memory=reuse,
+                                   render_on_device=device_path)
+        out = []
+        for epoch in range(3):
+            loader.sampler.set_epoch(epoch)
+            for b in loader:
+                pixels = b.images if b.deferred is None else b.deferred.tiles
+                assert pixels.is_pinned()
+                out.append((pixels.untyped_storage().data_ptr(), pixels.clone()))  # cloned: the ring is reused
+        return out
+
+    copied, in_place = batches(False), batches(True)
+    assert len(copied) == len(in_place) == 36
+    for (_, a), (_, b) in zip(copied, in_place):
+        assert torch.equal(a, b)
+    buffers = {address for address, _ in in_place}
+    assert len(buffers) <= 36 // 2  # buffers come round: far fewer than batches
+    assert all(address in PAGE_LOCKS for address in buffers)
+
+
+@pytest.mark.cuda
+def test_page_locks_let_go_of_the_oldest_past_their_limit():
+    torch.cuda.init()
+    locks, buffers = PageLocks(limit=2), [torch.empty(1 << 16, dtype=torch.uint8) for _ in range(3)]
+    for b in buffers:
+        assert locks.lock(b) and b.is_pinned()
+    assert locks.lock(buffers[1]) and len(locks) == 2
+    assert not buffers[0].is_pinned() and buffers[1].is_pinned() and buffers[2].is_pinned()
+    locks.release_all()
+    assert len(locks) == 0 and not any(b.is_pinned() for b in buffers)

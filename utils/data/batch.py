@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from utils.data.geometry import Placement
+from utils.data.pinning import PAGE_LOCKS
 from utils.data.plan import SamplePlan
 
 
@@ -35,7 +36,8 @@ class Batch(NamedTuple):
 
     ``images`` is a (B, 3, H, W) view of (B, H, W, 3) memory (channels_last strides): the loader writes
     each image in the order OpenCV produces it. When the training device renders the batch, ``images`` is
-    None and ``deferred`` holds the tiles and plans instead.
+    None and ``deferred`` holds the tiles and plans instead. ``pin_in_place``: the pixels lie in a reused
+    buffer whose consumer lets go of each batch in time (BatchMemory.pin_in_place).
     """
 
     images: torch.Tensor | None  # uint8 (B, 3, H, W) RGB
@@ -44,11 +46,26 @@ class Batch(NamedTuple):
     placements: tuple[Placement | None, ...]  # where each original image lies in ``images``; None for a mosaic
     indices: torch.Tensor  # int64 (B,) dataset indices
     deferred: DeferredImages | None = None
+    pin_in_place: bool = False
 
     @property
     def size(self) -> int:
         """Images in the batch."""
         return len(self.indices)
+
+    def pin_memory(self) -> Batch:
+        """The DataLoader's pinning (a CUDA run): the pixels' reused buffer page-locked where it lies when
+        ``pin_in_place`` (then ``pin_memory()`` returns the pixels as they are), every other tensor copied
+        into page-locked memory."""
+        if self.pin_in_place:
+            PAGE_LOCKS.lock(self.images if self.deferred is None else self.deferred.tiles)
+        deferred = self.deferred
+        if deferred is not None:
+            deferred = deferred._replace(tiles=deferred.tiles.pin_memory(), table=deferred.table.pin_memory(),
+                                         composites=deferred.composites.pin_memory(),
+                                         samples=deferred.samples.pin_memory(), luts=deferred.luts.pin_memory())
+        return self._replace(images=None if self.images is None else self.images.pin_memory(),
+                             targets=self.targets.pin_memory(), indices=self.indices.pin_memory(), deferred=deferred)
 
 
 def collate_fn(batch: Batch) -> Batch:
@@ -65,17 +82,19 @@ def batch_targets(plans: list[SamplePlan]) -> torch.Tensor:
 
 
 class BatchMemory:
-    """Where a loader process writes its batches' pixels: a ring of ``slots`` reused buffers when ``reuse``
-    (the consumer lets go of each batch before asking for the next but one), else fresh memory per batch.
-    Inside a DataLoader worker the memory is shared with the training process. Each process keeps its own
-    ring (a forked worker never writes into memory its parent may still read)."""
+    """Where a loader process writes its batches' pixels: a ring of ``slots`` reused buffers when ``reuse``,
+    else fresh memory per batch. Inside a DataLoader worker the memory is shared with the training process.
+    Each process keeps its own ring (a forked worker never writes into memory its parent may still read).
+    ``pin_in_place``: the consumer lets go of each batch before asking for the next but one, and of its
+    copy to the device before the next but one arrives, so pinning may lock the ring's buffers in place."""
 
-    def __init__(self, reuse: bool = False, slots: int = 4) -> None:
-        self.reuse, self.slots = reuse, slots
+    def __init__(self, reuse: bool = False, slots: int = 4, pin_in_place: bool = False) -> None:
+        self.reuse, self.slots, self.pin_in_place = reuse, slots, pin_in_place and reuse
         self._pid, self._ring, self._next = -1, [], 0
 
     def __getstate__(self) -> dict:  # a spawned worker starts with its own, empty ring
-        return {"reuse": self.reuse, "slots": self.slots, "_pid": -1, "_ring": [], "_next": 0}
+        return {"reuse": self.reuse, "slots": self.slots, "pin_in_place": self.pin_in_place,
+                "_pid": -1, "_ring": [], "_next": 0}
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` to write one batch into."""
@@ -88,9 +107,13 @@ class BatchMemory:
         self._next = (k + 1) % self.slots
         if k == len(self._ring):
             self._ring.append(_allocate(nbytes, shared))
-        elif self._ring[k].numel() < nbytes:  # a larger batch shape (rect): grow this slot
-            self._ring[k] = _allocate(nbytes, shared)
+        elif self._ring[k].numel() < nbytes:  # a larger batch (rect shapes, the device path's tiles): grow
+            self._ring[k] = _allocate(nbytes + nbytes // GROWTH, shared)
         return self._ring[k][:nbytes]
+
+
+GROWTH = 4  # a slot outgrown grows by a quarter more than asked: tile bytes vary from batch to batch, and each
+# new buffer is a new allocation (and, pinned in place, a new page-lock)
 
 
 def _allocate(nbytes: int, shared: bool) -> torch.Tensor:

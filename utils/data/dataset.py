@@ -185,7 +185,8 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         tiles = TileSource(self.load_image_only)
         common = dict(targets=batch_targets(plans), paths=tuple(self.im_files[p.index] for p in plans),
                       placements=tuple(p.placement for p in plans),
-                      indices=torch.tensor([p.index for p in plans], dtype=torch.long))
+                      indices=torch.tensor([p.index for p in plans], dtype=torch.long),
+                      pin_in_place=self.memory.pin_in_place)
         if self.render_on_device:
             return Batch(images=None, deferred=pack(plans, tiles, self.memory), **common)
         h, w = plans[0].out_hw

@@ -3,9 +3,12 @@
 On CUDA the next batch's host-to-device copy and (--augment-on device) its drawing run on a side stream
 while the model trains on the current one, so neither waits in the step: the training stream waits only
 for that batch's own event, and the images are marked as used by it so the allocator never hands their
-memory back early. The loader pins every batch of a CUDA run into its own page-locked memory, so holding
-one batch ahead never holds a worker's reusable buffer. Elsewhere each batch is prepared when it is asked
-for: the same operations on the same stream, so the pixels are identical either way.
+memory back early. A CUDA run's loader page-locks its reused batch buffers in place
+(utils/data/pinning.py), so the copy reads the worker's buffer itself: before asking the loader for a
+batch, the feed waits until the copy of the batch before last is done, and a worker, which writes into
+a buffer only once the batch that held it is two behind, never overwrites pixels still being copied.
+Elsewhere each batch is prepared when it is asked for: the same operations on the same stream, so the
+pixels are identical either way.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ def on_device(batches: Iterable[Batch], device: torch.device,
             ready.record(side)
         if pending is not None:
             yield _handed_over(*pending, device)
+            pending[2].synchronize()  # its host buffer may be written again once the next batch is asked for
         pending = batch, imgs, ready
     if pending is not None:
         yield _handed_over(*pending, device)

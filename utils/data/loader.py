@@ -211,9 +211,10 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     (InferenceSampler; no labels is a warning). Local rank 0 scans and caches first. ``report_dir``:
     the run folder, where rank 0 writes the full list of the split's problems. ``pin_memory``: page-locked
     batches for CUDA; by default only once this process uses CUDA (``pins_by_default``).
-    ``reuse_memory``: the consumer lets go of each batch before it asks for the next but one (the training
-    loop and evaluation do), so the loader writes batches into a ring of reused buffers; pinned batches are
-    copies, so they reuse it anyway. ``render_on_device``: batches carry tiles and plans for
+    ``reuse_memory``: the consumer lets go of each batch, and of its copy to the device, before it asks for the
+    next but one (the training loop and evaluation do), so the loader writes batches into a ring of reused
+    buffers, which pinning locks in place (utils/data/pinning.py); without it pinned batches are copies, so
+    they reuse the ring anyway. ``render_on_device``: batches carry tiles and plans for
     utils/data/device_augment.py instead of pixels.
     """
     training = shuffle
@@ -238,7 +239,7 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
                                          image_hw=dataset.image_hw, path=path, prefix=prefix,
                                          workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS),
                                          source=_cache_source(dataset, cache_dir))
-    dataset.memory = BatchMemory(reuse=reuse_memory or pin, slots=SLOTS)
+    dataset.memory = BatchMemory(reuse=reuse_memory or pin, slots=SLOTS, pin_in_place=reuse_memory)
     dataset.render_on_device = bool(render_on_device and augment)
     if training:
         sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,

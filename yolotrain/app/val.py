@@ -217,7 +217,8 @@ def get_loader(opt: argparse.Namespace, data: DataConfig, single_cls: bool, imgs
         loaders[key] = create_dataloader(getattr(data, task), imgsz, batch, stride, info=info,
                                          single_cls=single_cls, rect=rect, pad=0.5, workers=opt.workers,
                                          nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir,
-                                         prefix=f"{task}: ", report_dir=run_dir)
+                                         prefix=f"{task}: ", report_dir=run_dir,
+                                         reuse_memory=True)  # evaluation clones the batches it keeps
     return loaders[key]
 
 
