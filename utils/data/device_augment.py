@@ -125,16 +125,24 @@ FRAME = 2  # grey pixels around every canvas: a point's 2x2 neighbourhood is alw
 
 def paste(tiles: torch.Tensor, table: list, comps: np.ndarray, device: torch.device) -> torch.Tensor:
     """Every composite's canvas, uint8 (C, H + 4, W + 4, 3) for the batch's largest canvas: grey 114 with a
-    two-pixel grey frame (what a warp reads outside the canvas) and the tiles pasted in (integer copies)."""
+    two-pixel grey frame (what a warp reads outside the canvas) and the tiles pasted in (integer copies).
+
+    Each paste is a strided view of the canvas and of its tile, and all of them one foreach copy: a batch
+    pastes hundreds of tiles, and a Python slice-and-copy per tile costs the host more than the device."""
     hc, wc = int(comps[:, 0].max()), int(comps[:, 1].max())
-    canvas = torch.full((len(comps), hc + 2 * FRAME, wc + 2 * FRAME, 3), GREY, dtype=torch.uint8, device=device)
+    hp, wp = hc + 2 * FRAME, wc + 2 * FRAME
+    canvas = torch.full((len(comps), hp, wp, 3), GREY, dtype=torch.uint8, device=device)
+    dst, src, base = [], [], tiles.storage_offset()
     for c, row in enumerate(comps):
         for tile, x1a, y1a, x2a, y2a, x1b, y1b in row[SLOTS_AT:].reshape(SLOTS, SLOT_COLUMNS).astype(np.int64).tolist():
-            if tile < 0:
+            h, w = y2a - y1a, x2a - x1a
+            if tile < 0 or h <= 0 or w <= 0:
                 continue
-            start, th, tw = table[tile]
-            img = tiles[start * 3:(start + th * tw) * 3].view(th, tw, 3)
-            canvas[c, FRAME + y1a:FRAME + y2a, FRAME + x1a:FRAME + x2a] = img[y1b:y1b + y2a - y1a, x1b:x1b + x2a - x1a]
+            start, _, tw = table[tile]
+            dst.append(canvas.as_strided((h, w, 3), (wp * 3, 3, 1), ((c * hp + FRAME + y1a) * wp + FRAME + x1a) * 3))
+            src.append(tiles.as_strided((h, w, 3), (tw * 3, 3, 1), base + (start + y1b * tw + x1b) * 3))
+    if dst:
+        torch._foreach_copy_(dst, src)
     return canvas
 
 

@@ -237,16 +237,26 @@ class ModelEMA:
         self.decay_fn = lambda x: decay * (1 - math.exp(-x / tau))
         for p in self.ema.parameters():
             p.requires_grad_(False)
+        self._pairs: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         self.updates += 1
         d = self.decay_fn(self.updates)
-        msd = de_parallel(model).state_dict()
-        pairs = [(v, msd[k].detach()) for k, v in self.ema.state_dict().items() if v.dtype.is_floating_point]
-        averaged, current = [v for v, _ in pairs], [m for _, m in pairs]
+        averaged, current = self._tensors(de_parallel(model))
         torch._foreach_mul_(averaged, d)  # v = v * d + m * (1 - d), each tensor as before, in two launches
         torch._foreach_add_(averaged, current, alpha=1 - d)
+
+    def _tensors(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The EMA's floating-point tensors and the model's, paired by name; found once per model, as
+        building two state_dicts every step costs a slow host core milliseconds (a rollback, a resume and
+        a checkpoint load copy into these same tensors in place)."""
+        if self._pairs is None or self._pairs[0] is not model:
+            msd = model.state_dict(keep_vars=True)
+            pairs = [(v, msd[k].detach()) for k, v in self.ema.state_dict(keep_vars=True).items()
+                     if v.dtype.is_floating_point]
+            self._pairs = model, [v for v, _ in pairs], [m for _, m in pairs]
+        return self._pairs[1], self._pairs[2]
 
     def sync_buffers(self) -> None:
         """Every rank takes rank 0's EMA buffers. Each rank averages its own BatchNorm statistics (its local
