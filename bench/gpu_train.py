@@ -64,6 +64,8 @@ Figures (per model, worker count and contender):
                    and the rest of the pass from its wall time (loader waits, matching, metrics).
   data wait        time the training loop was blocked waiting for the loader / step time, over the
                    timed steps (host time: CUDA kernels queued before the wait still run during it).
+                   Ours: of which the training process's own queuing of the next batch's copy to
+                   the device and (--augment-on device) its drawing, inside the wait.
   peak GPU MiB     torch.cuda.max_memory_allocated of the tool's process, read after every training
                    epoch and validation; the largest (tensors only, not the allocator's cache).
   peak RSS MiB     largest resident set of the tool's process or any loader worker it reaped (os.wait4).
@@ -156,7 +158,7 @@ PEAK_TFLOPS: list[tuple[str, float, str]] = [
 SHIM = r'''
 import json, sys, time
 mode, out_path, root, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-epochs, vals, facts = [], [], {"peak_mem": 0}
+epochs, vals, facts, feeds = [], [], {"peak_mem": 0}, []
 now = time.perf_counter
 
 def peak():
@@ -167,15 +169,23 @@ def peak():
 def save():
     peak()
     with open(out_path, "w") as f:
-        json.dump({"epochs": epochs, "vals": vals, "facts": facts}, f)
+        json.dump({"epochs": epochs, "vals": vals, "facts": facts, "feeds": feeds}, f)
 
 if mode == "ours":
     sys.path.insert(0, root)
     mosaic, argv = argv[0] == "mosaic", argv[1:]
     sys.argv = ["train.py", *argv]
     from yolotrain.app import train
+    from utils.data import device_feed
     from utils.engine import loop
     inner_build, inner_fetch, inner_eval = train.build_training, loop.fetch_batches, loop.evaluate_model
+    inner_images = device_feed.batch_images
+    def batch_images(*a, **k):  # the training process's own part of a wait: queuing a batch's copy and drawing
+        t0 = now()
+        out = inner_images(*a, **k)
+        feeds.append((t0, now()))
+        return out
+    device_feed.batch_images = batch_images
     def build_training(*a, **k):
         t = inner_build(*a, **k)
         if mosaic:
@@ -474,9 +484,10 @@ def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], folde
     return run
 
 
-def step_figures(epochs: list[dict], warmup: int, batch: int) -> dict[str, float]:
-    """Steady train img/s and data-wait share over the timed steps (docstring: "train img/s")."""
-    images, seconds, wait, steps = 0, 0.0, 0.0, 0
+def step_figures(epochs: list[dict], warmup: int, batch: int, feeds: list | None = None) -> dict[str, float | None]:
+    """Steady train img/s and data-wait share over the timed steps (docstring: "train img/s"), and the share
+    of the waits spent queuing the next batch's copy and drawing (``feeds``: ours' (start, end) of each)."""
+    images, seconds, wait, steps, windows = 0, 0.0, 0.0, 0, []
     for ep in epochs:
         asks, gots = ep["asks"], ep["gots"]
         if ep["end"] is None or len(asks) != len(gots):
@@ -485,10 +496,13 @@ def step_figures(epochs: list[dict], warmup: int, batch: int) -> dict[str, float
         for k in range(warmup, len(asks) - 1):  # not the epoch's last step
             seconds += ends[k] - asks[k]
             wait += gots[k] - asks[k]
+            windows.append((asks[k], gots[k]))
             images, steps = images + batch, steps + 1
     if not steps:
         raise SystemExit(f"no timed steps: each epoch needs more than --warmup {warmup} + 1 steps (raise --steps)")
-    return {"train_img_s": images / seconds, "data_wait": wait / seconds, "timed_steps": steps}
+    feed = sum(min(b, e) - max(a, s) for s, e in feeds or () for a, b in windows if s < b and a < e)
+    return {"train_img_s": images / seconds, "data_wait": wait / seconds, "timed_steps": steps,
+            "feed_wait": feed / seconds if feeds else None}
 
 
 def training_vals(vals: list[dict], epochs: list[dict]) -> list[dict]:
@@ -555,7 +569,7 @@ def run_tool(c: Contender, model: str, workers: int, opt: argparse.Namespace, de
         args = ours_args(model, opt, workers, dev, data, base / "runs", c.flags)
     run = run_shim(python, c.tool, args, env, base)
     facts = run["facts"]
-    out = step_figures(run["epochs"], opt.warmup, opt.batch_size)
+    out = step_figures(run["epochs"], opt.warmup, opt.batch_size, run.get("feeds"))
     gpu_mib = facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None
     parts = val_parts(run["vals"], run["epochs"])
     out.update({f"val_{k}_ms": v for k, v in parts.items()})
@@ -585,6 +599,7 @@ ROWS = [  # (label, key, format, ratio shown)
     ("  val NMS ms/img", "val_post_ms", "{:.2f}", True),
     ("  val rest ms/img", "val_other_ms", "{:.2f}", True),
     ("data wait, share of step", "data_wait", "{:.1%}", True),
+    ("  of which: queuing copy + drawing", "feed_wait", "{:.1%}", False),
     ("peak GPU MiB (allocated)", "peak_gpu_mib", "{:.0f}", True),
     ("peak RSS MiB (host)", "peak_rss_mib", "{:.0f}", True),
     ("train GFLOP/img (3 x fwd)", "train_gflops_per_img", "{:.2f}", False),

@@ -41,6 +41,15 @@ def test_step_figures_time_the_steps_after_warmup_but_not_the_last():
     assert out["data_wait"] == pytest.approx((0.2 + 0.1) / 5.0)
 
 
+def test_the_feeds_share_counts_only_its_time_inside_the_timed_waits():
+    """Ours queues each next batch's copy and drawing inside the wait for it: that part of the timed waits."""
+    ep = {"asks": [0.0, 1.0, 3.0, 6.0], "gots": [0.5, 1.2, 3.1, 6.1], "end": 10.0}
+    feeds = [(0.1, 0.4), (1.05, 1.15), (2.95, 3.05), (4.0, 5.0)]  # warm-up, inside, half inside, in a step
+    out = gpu_train.step_figures([ep], warmup=1, batch=4, feeds=feeds)
+    assert out["feed_wait"] == pytest.approx((0.1 + 0.05) / 5.0)
+    assert gpu_train.step_figures([ep], warmup=1, batch=4)["feed_wait"] is None  # Ultralytics: none recorded
+
+
 def test_step_figures_without_timed_steps_say_so():
     ep = {"asks": [0.0, 1.0], "gots": [0.1, 1.1], "end": 2.0}
     with pytest.raises(SystemExit, match="no timed steps"):
