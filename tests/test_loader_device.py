@@ -13,7 +13,7 @@ from utils.core import cpu
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
 from utils.data.batch import BatchMemory
-from utils.data.loader import create_dataloader
+from utils.data.loader import create_dataloader, worker_share
 from utils.data.pinning import PAGE_LOCKS, PageLocks
 from utils.data.shapes import generate_shapes
 
@@ -107,3 +107,37 @@ def test_page_locks_let_go_of_the_oldest_past_their_limit():
     assert not buffers[0].is_pinned() and buffers[1].is_pinned() and buffers[2].is_pinned()
     locks.release_all()
     assert len(locks) == 0 and not any(b.is_pinned() for b in buffers)
+
+
+def test_worker_share_divides_the_batch_among_the_workers():
+    assert [worker_share(128, w) for w in (0, 1, 2, 6, 8, 200)] == [128, 128, 64, 16, 16, 1]
+    assert worker_share(100, 8) == 10 and worker_share(7, 2) == 1  # a divisor: a part never spans two rect batches
+
+
+def test_an_evaluation_batch_split_among_workers_holds_the_same_images(tmp_path):
+    """A CUDA evaluation loader hands each batch over in one part per worker: the same letterboxed pixels,
+    indices and targets, in the same order, each part inside one rect batch's shape."""
+    wide = write_val_split(tmp_path / "w", 6, (24, 64), lambda k: 30 + 10 * k)
+    tall = write_val_split(tmp_path / "t", 6, (64, 24), lambda k: 100 + 10 * k)
+    for src in (wide, tall):  # one split of both shapes
+        for f in src.iterdir():
+            (tmp_path / "all" / "images" / "val").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "all" / "labels" / "val").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "all" / "images" / "val" / f"{src.parent.parent.name}{f.name}").write_bytes(f.read_bytes())
+            label = src.parent.parent / "labels" / "val" / f"{f.stem}.txt"
+            (tmp_path / "all" / "labels" / "val" / f"{src.parent.parent.name}{f.stem}.txt").write_text(label.read_text())
+    split = tmp_path / "all" / "images" / "val"
+
+    def batches(parts: bool) -> list:
+        loader = create_dataloader(split, 64, 6, 32, nc=1, workers=2, rect=True, pad=0.5, reuse_memory=True,
+                                   pin_memory=False, split_batches=parts)
+        return [(b.images.clone(), b.indices.clone(), b.targets.clone()) for b in loader]
+
+    whole, parts = batches(False), batches(True)
+    assert len(whole) == 2 and len(parts) == 4 and all(len(p[1]) == 3 for p in parts)
+    for k, (images, indices, targets) in enumerate(whole):
+        a, b = parts[2 * k], parts[2 * k + 1]
+        assert torch.equal(torch.cat([a[0], b[0]]), images) and torch.equal(torch.cat([a[1], b[1]]), indices)
+        b_targets = b[2].clone()
+        b_targets[:, 0] += 3  # image index within the batch
+        assert torch.equal(torch.cat([a[2], b_targets]), targets)

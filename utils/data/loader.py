@@ -158,6 +158,17 @@ def _worker_init(_worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def worker_share(batch_size: int, workers: int) -> int:
+    """The part of an evaluation batch one worker loads: a divisor of the batch (a part never spans two rect
+    batches of different shapes), at most the batch over the workers. A validation pass of a few large
+    batches (500 images at 128) otherwise keeps one worker per batch busy while the rest idle, and the
+    device waits for a whole batch to be letterboxed by one core."""
+    if workers < 2:
+        return batch_size
+    most = math.ceil(batch_size / workers)
+    return max(d for d in range(1, most + 1) if batch_size % d == 0)
+
+
 def pins_by_default() -> bool:
     """Pin batches only in a process that already uses CUDA (select_device set its GPU): pinning opens a CUDA
     context, on GPU 0, which a --device cpu run on a GPU host must not do in every rank."""
@@ -202,7 +213,8 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
                       cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
                       shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
                       prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None,
-                      reuse_memory: bool = False, render_on_device: bool = False) -> DataLoader:
+                      reuse_memory: bool = False, render_on_device: bool = False,
+                      split_batches: bool | None = None) -> DataLoader:
     """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank (the global
     batch over ``info.world_size``).
 
@@ -215,7 +227,9 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     next but one (the training loop and evaluation do), so the loader writes batches into a ring of reused
     buffers, which pinning locks in place (utils/data/pinning.py); without it pinned batches are copies, so
     they reuse the ring anyway. ``render_on_device``: batches carry tiles and plans for
-    utils/data/device_augment.py instead of pixels.
+    utils/data/device_augment.py instead of pixels. ``split_batches`` (evaluation; by default where batches
+    are pinned, a CUDA process, whose inference is cheap beside the letterboxing): each batch arrives in
+    parts of ``worker_share`` images, so every worker loads at once.
     """
     training = shuffle
     if rect and shuffle:
@@ -246,6 +260,8 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
                                         drop_last=rect and info.world_size > 1, batch_size=batch_size)
     else:
         sampler = InferenceSampler(len(dataset), batch_size, info.rank, info.world_size)
+        if split_batches if split_batches is not None else pin:
+            batch_size = worker_share(batch_size, nw)
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw, pin_memory=pin,
