@@ -81,6 +81,10 @@ def batch_targets(plans: list[SamplePlan]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(rows, 0) if rows else np.zeros((0, 6), np.float32))
 
 
+GROWTH = 4  # a slot outgrown grows by a quarter more than asked: tile bytes vary from batch to batch, and each
+# new buffer is a new allocation (and, pinned in place, a new page-lock)
+
+
 class BatchMemory:
     """Where a loader process writes its batches' pixels: a ring of ``slots`` reused buffers when ``reuse``,
     else fresh memory per batch. Inside a DataLoader worker the memory is shared with the training process.
@@ -110,10 +114,6 @@ class BatchMemory:
         elif self._ring[k].numel() < nbytes:  # a larger batch (rect shapes, the device path's tiles): grow
             self._ring[k] = _allocate(nbytes + nbytes // GROWTH, shared)
         return self._ring[k][:nbytes]
-
-
-GROWTH = 4  # a slot outgrown grows by a quarter more than asked: tile bytes vary from batch to batch, and each
-# new buffer is a new allocation (and, pinned in place, a new page-lock)
 
 
 def _allocate(nbytes: int, shared: bool) -> torch.Tensor:

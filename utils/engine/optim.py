@@ -249,11 +249,12 @@ class ModelEMA:
 
     def _tensors(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The EMA's floating-point tensors and the model's, paired by name; found once per model, as
-        building two state_dicts every step costs a slow host core milliseconds (a rollback, a resume and
-        a checkpoint load copy into these same tensors in place)."""
+        building two state_dicts every step costs a slow host core milliseconds. The pairs are the parameters
+        and buffers themselves, not detached views: a rollback, a resume and a checkpoint load copy into them
+        in place, and a parameter whose data is replaced (``Module.to``) is still the same Parameter."""
         if self._pairs is None or self._pairs[0] is not model:
             msd = model.state_dict(keep_vars=True)
-            pairs = [(v, msd[k].detach()) for k, v in self.ema.state_dict(keep_vars=True).items()
+            pairs = [(v, msd[k]) for k, v in self.ema.state_dict(keep_vars=True).items()
                      if v.dtype.is_floating_point]
             self._pairs = model, [v for v, _ in pairs], [m for _, m in pairs]
         return self._pairs[1], self._pairs[2]
