@@ -7,7 +7,9 @@ import torch
 from models.heads.anchor_loss import AnchorLossGains
 from utils.core.hyp import Hyp
 from utils.engine.loop import rescale_batch
-from utils.engine.config import resolve_resume
+from utils.engine.config import micro_step_images, resolve_resume
+from utils.engine.recipe import RECIPES
+from yolotrain.app.train import build_parser
 
 
 def test_multi_scale_sizes_vary_within_range_on_stride_multiples_and_repeat():
@@ -151,13 +153,37 @@ def test_micro_steps_are_on_for_a_cpu_and_off_on_cuda_unless_asked():
     assert micro_steps_default("on", torch.device("cuda", 0)) == "on"
     assert micro_steps_default("off", torch.device("cpu")) == "off"
     rule = RECIPES["anchor-free"]
-    on = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, micro_steps=True)
-    off = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, micro_steps=False)
+    on = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, step_images=16)
+    off = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, step_images=0)
     assert (on.steps_per_batch, off.steps_per_batch) == (4, 1)
     assert off.lr == round(on.lr * 4, 7)  # 64 images a step: the linear rule
     assert "a step every batch of 64 images (--micro-steps off; on: a step per 16 images)" in off.reason
-    small = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30, micro_steps=False)
+    small = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30, step_images=0)
     assert small == rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30)  # nothing to cut
+
+
+def test_micro_steps_of_n_images_cut_a_large_batch_into_steps_of_n():
+    """--micro-steps N: a short run's batch above N takes one AdamW step per N images (each rank's part keeping
+    8), the lr x N / 16 as a batch of N stepping once; the reason names the flag. Below 8, or a word it does
+    not know, the flag is refused with the allowed values."""
+    parser = build_parser()
+    assert [micro_step_images(parser.parse_args(["--micro-steps", v]).micro_steps)
+            for v in ("on", "off", "64")] == [16, 0, 64]
+    for bad in ("4", "sometimes"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--micro-steps", bad])
+    rule = RECIPES["anchor-free"]
+
+    def auto(batch: int, step_images: int, ranks: int = 1):
+        return rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=batch, epochs=30, ranks=ranks,
+                              step_images=step_images)
+
+    one = auto(64, 0)
+    assert [auto(b, 64).steps_per_batch for b in (32, 64, 128, 256)] == [1, 1, 2, 4]
+    assert auto(128, 64).lr == auto(256, 64).lr == one.lr  # every step sees 64 images, as batch 64's one step
+    assert auto(128, 64, ranks=8).steps_per_batch == 2  # 16 per rank: parts of 8
+    assert auto(128, 64, ranks=16).steps_per_batch == 1  # 8 per rank: one part
+    assert "2 optimizer steps per batch of 128 (--micro-steps 64: a step per 64 images)" in auto(128, 64).reason
 
 
 def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():

@@ -84,6 +84,26 @@ IMGSZ = Range(int, min=32, note="the largest model stride")  # train.py rounded 
 SEED = Range(int, min=0, max=2**32 - 1)  # numpy.random.seed's range; train.py seeds random, numpy and torch
 
 
+class WordOrRange:
+    """An argparse ``type=`` that takes one of ``words`` or a number that ``numbers`` (a Range) accepts, and
+    returns it as text, so the resolved value keeps one type: ``--micro-steps auto|on|off|64``."""
+
+    def __init__(self, words: tuple[str, ...], numbers: Range) -> None:
+        self.words, self.numbers = words, numbers
+        self.__name__ = self.describe()
+
+    def describe(self) -> str:
+        return f"{', '.join(self.words)} or {self.numbers.describe()}"
+
+    def __call__(self, text: str) -> str:
+        if str(text) in self.words:
+            return str(text)
+        try:
+            return str(self.numbers(text))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {str(text)!r}") from None
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default once: appended as ``(default: X)`` unless the help says its own
     default, and left out when there is none to show (None, False, ''); paths inside the checkout are

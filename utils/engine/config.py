@@ -25,6 +25,7 @@ from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
 from utils.data.config import load_data_config
 from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
+from utils.engine.optim import SHORT_RUN_BATCH
 from utils.engine.recipe import Recipe, recipe_for
 from utils.engine.state import SavedRun
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
@@ -199,6 +200,13 @@ def micro_steps_default(flag: str, device: torch.device) -> str:
     if flag != "auto":
         return flag
     return "off" if device.type == "cuda" else "on"
+
+
+def micro_step_images(resolved: str) -> int:
+    """The images per optimizer step a resolved --micro-steps asks of a short run's large batch: on, the
+    batch-16 run's SHORT_RUN_BATCH; a number, that many; off, 0 (one step per batch)."""
+    words = {"on": SHORT_RUN_BATCH, "off": 0}
+    return words[resolved] if resolved in words else int(resolved)
 
 
 def _classes(args: argparse.Namespace) -> int:

@@ -24,8 +24,8 @@ SHORT_LR_MAX = 0.004  # no gain lifts a short-run AdamW LR above this (the highe
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)
 
-AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int, bool], OptimizerChoice]  # recipe, hyp, nc, images,
-# batch, epochs, ranks, micro_steps
+AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images,
+# batch, epochs, ranks, step_images
 
 
 @dataclass(frozen=True)
@@ -40,26 +40,26 @@ class Recipe:
     short_lr_gain: float = 1.0  # the short-run AdamW LR over Ultralytics' rule
 
     def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                  epochs: int, ranks: int = 1, micro_steps: bool = True) -> OptimizerChoice:
+                  epochs: int, ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
         """Resolve --optimizer: ``auto`` by this family's rule; a named optimizer with the hyp file's lr0,
         momentum and warmup_bias_lr as written, and 64 (MuSGD also gives the head's class branches
-        MUSGD_CLASS_LR_GAIN times the LR). ``micro_steps``: a short run may cut a large batch into
-        optimizer steps (--micro-steps, resolved per device)."""
+        MUSGD_CLASS_LR_GAIN times the LR). ``step_images``: a short run may cut a large batch into
+        optimizer steps of that many images (--micro-steps, resolved per device; 0: one step per batch)."""
         if requested != "auto":
             return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
                                    class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
-        return self.auto(self, hyp, nc, n_images, batch_size, epochs, ranks, micro_steps)
+        return self.auto(self, hyp, nc, n_images, batch_size, epochs, ranks, step_images)
 
 
 def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int, epochs: int,
-               ranks: int = 1, micro_steps: bool = True) -> OptimizerChoice:
+               ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-based heads: SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains."""
     return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
                            "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
 
 
 def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                    epochs: int, ranks: int = 1, micro_steps: bool = True) -> OptimizerChoice:
+                    epochs: int, ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
     nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc) (Ultralytics' rule) x the recipe's
     ``short_lr_gain`` (at most SHORT_LR_MAX: from scratch or fine-tuned, such a model is still far from
@@ -68,8 +68,8 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     accumulating to 64: a short run is short of updates, and AdamW's per-parameter step size does not
     grow with the batch, so four times the steps is about four times the learning at the same images/s
     (measured: docs/benchmarks.md, "Against Ultralytics"). A global batch above SHORT_RUN_BATCH is cut
-    into micro-steps (``steps_per_batch``: an optimizer step per part of each rank's batch, the batch-16 run's
-    steps) when ``micro_steps`` (--micro-steps: by default on a CPU, where a step's cost is its images, not
+    into micro-steps of ``step_images`` (``steps_per_batch``: an optimizer step per part of each rank's batch;
+    16, the batch-16 run's steps, by default on a CPU, where a step's cost is its images; 0, one step per batch,
     on CUDA, where each step has a fixed cost: docs/benchmarks.md, "GPU training"), and what a step sees
     beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most SHORT_LR_MAX. Long schedules use SGD
     at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the nominal 64 (Ultralytics 8.3's choice;
@@ -82,24 +82,24 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     fit = round(0.002 * 5 / (4 + nc), 6)
     gained = recipe.short_lr_gain != 1.0
     lr = max(fit, min(fit * recipe.short_lr_gain, SHORT_LR_MAX)) if gained else fit
-    parts = steps_per_batch(batch_size, ranks) if micro_steps else 1
+    parts = steps_per_batch(batch_size, ranks, step_images) if step_images else 1
     gain = large_batch_gain(batch_size / parts)
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
     family = f" x {recipe.short_lr_gain:g} (at most {SHORT_LR_MAX:g})" if gained else ""
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
                            f"lr 0.002 * 5 / (4 + {nc} classes){family}"
-                           + _step_note(batch_size, parts, gain, micro_steps),
+                           + _step_note(batch_size, parts, gain, step_images),
                            nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts)
 
 
-def steps_per_batch(batch_size: int, ranks: int) -> int:
-    """Optimizer steps per batch in a short run: a global batch above SHORT_RUN_BATCH takes one per
-    SHORT_RUN_BATCH images (the batch-16 run's steps, measured to learn more in a short schedule than fewer
+def steps_per_batch(batch_size: int, ranks: int, step_images: int = SHORT_RUN_BATCH) -> int:
+    """Optimizer steps per batch in a short run: a global batch above ``step_images`` takes one per that many
+    images (at SHORT_RUN_BATCH the batch-16 run's steps, measured to learn more in a short schedule than fewer
     steps at a higher LR: docs/benchmarks.md, "Large batches"), as long as each rank's part keeps
     MICRO_BATCH_FLOOR images. The loader and the host sync still work per batch."""
     per_rank = batch_size // max(ranks, 1)
-    return max(1, min(batch_size // SHORT_RUN_BATCH, per_rank // MICRO_BATCH_FLOOR))
+    return max(1, min(batch_size // max(step_images, 1), per_rank // MICRO_BATCH_FLOOR))
 
 
 def large_batch_gain(step_images: float) -> float:
@@ -109,13 +109,14 @@ def large_batch_gain(step_images: float) -> float:
     return max(step_images / SHORT_RUN_BATCH, 1.0)
 
 
-def _step_note(batch_size: int, parts: int, gain: float, micro_steps: bool = True) -> str:
+def _step_note(batch_size: int, parts: int, gain: float, step_images: int = SHORT_RUN_BATCH) -> str:
     """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
     if batch_size <= SHORT_RUN_BATCH:
         return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
-    split = (f"; {parts} optimizer steps per batch of {batch_size} (a step per {batch_size / parts:g} images)"
-             if parts > 1 else f"; a step every batch of {batch_size} images")
-    if not micro_steps:
+    asked = f"--micro-steps {step_images}: " if step_images not in (0, SHORT_RUN_BATCH) else ""
+    split = (f"; {parts} optimizer steps per batch of {batch_size} ({asked}a step per {batch_size / parts:g} images)"
+             if parts > 1 else f"; a step every batch of {batch_size} images" + (f" ({asked[:-2]})" if asked else ""))
+    if not step_images:
         split += f" (--micro-steps off; on: a step per {SHORT_RUN_BATCH} images)"
     if gain == 1.0:
         return split + ", the batch-16 run's steps"

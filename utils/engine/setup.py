@@ -25,7 +25,7 @@ from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
-from utils.engine.config import ModelSource, RunConfig, resolve_model
+from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     StepPlan, accumulate_steps, smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
@@ -119,7 +119,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
         cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size,
-        micro_steps=cfg.micro_steps != "off")
+        step_images=micro_step_images(cfg.micro_steps))
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
     steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     step_images = cfg.batch_size * accumulate / steps.per_batch

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from utils.core import dist, precision
 from utils.core.callbacks import Callbacks
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, add_cache_flags, add_channels_last_flag, \
+from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, WordOrRange, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
 from utils.core.cpu import tune_malloc
 from utils.core.errors import Preempted, UserError, run_entry_point
@@ -34,6 +34,7 @@ from utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_
 from utils.engine.hooks import Hooks, build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
+from utils.engine.recipe import MICRO_BATCH_FLOOR
 from utils.engine.setup import Training, build_training
 from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
 from utils.engine.summary import log_end_summary, log_start_summary
@@ -75,10 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "
                         "class count on short schedules, SGD on long ones (the log says which and why); MuSGD: Muon's "
                         "orthogonalised step plus SGD on conv/linear weights, SGD elsewhere")
-    p.add_argument("--micro-steps", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--micro-steps", type=WordOrRange(("auto", "on", "off"), Range(int, min=MICRO_BATCH_FLOOR)),
+                   default="auto",
                    help="a short run's AdamW (--optimizer auto) cuts a batch above 16 into optimizer steps of 16 "
-                        "images, the batch-16 run's steps: more accurate at equal epochs, but each step has a fixed "
-                        "cost on a GPU (auto: on for a CPU, where a step costs its images, off on CUDA)")
+                        "images (on), the batch-16 run's steps, or of N images (a number): more accurate at equal "
+                        "epochs, but each step has a fixed cost on a GPU (auto: on for a CPU, where a step costs its "
+                        "images, off on CUDA)")
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
     p.add_argument("--patience", type=Range(int, min=0), default=100,
