@@ -184,6 +184,10 @@ def test_micro_steps_of_n_images_cut_a_large_batch_into_steps_of_n():
     assert auto(128, 64, ranks=8).steps_per_batch == 2  # 16 per rank: parts of 8
     assert auto(128, 64, ranks=16).steps_per_batch == 1  # 8 per rank: one part
     assert "2 optimizer steps per batch of 128 (--micro-steps 64: a step per 64 images)" in auto(128, 64).reason
+    eights = auto(16, 8)  # smaller steps than the rule's 16 keep its lr
+    assert (eights.steps_per_batch, eights.lr) == (2, auto(16, 16).lr)
+    assert "2 optimizer steps per batch of 16 (--micro-steps 8: a step per 8 images), at the lr of a step of 16" \
+        in eights.reason
 
 
 def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():

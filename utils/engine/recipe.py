@@ -111,15 +111,16 @@ def large_batch_gain(step_images: float) -> float:
 
 def _step_note(batch_size: int, parts: int, gain: float, step_images: int = SHORT_RUN_BATCH) -> str:
     """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
-    if batch_size <= SHORT_RUN_BATCH:
+    if batch_size <= SHORT_RUN_BATCH and parts == 1:
         return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
     asked = f"--micro-steps {step_images}: " if step_images not in (0, SHORT_RUN_BATCH) else ""
     split = (f"; {parts} optimizer steps per batch of {batch_size} ({asked}a step per {batch_size / parts:g} images)"
              if parts > 1 else f"; a step every batch of {batch_size} images" + (f" ({asked[:-2]})" if asked else ""))
     if not step_images:
         split += f" (--micro-steps off; on: a step per {SHORT_RUN_BATCH} images)"
-    if gain == 1.0:
-        return split + ", the batch-16 run's steps"
+    if gain == 1.0:  # steps of SHORT_RUN_BATCH images, or fewer (--micro-steps 8) at the same lr
+        return split + (", the batch-16 run's steps" if batch_size / parts >= SHORT_RUN_BATCH
+                        else f", at the lr of a step of {SHORT_RUN_BATCH}")
     return split + f", the lr x {gain:g} for the fewer steps, at most {SHORT_LR_MAX:g}"
 
 
