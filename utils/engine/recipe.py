@@ -113,9 +113,12 @@ def _step_note(batch_size: int, parts: int, gain: float, step_images: int = SHOR
     """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
     if batch_size <= SHORT_RUN_BATCH and parts == 1:
         return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
-    asked = f"--micro-steps {step_images}: " if step_images not in (0, SHORT_RUN_BATCH) else ""
-    split = (f"; {parts} optimizer steps per batch of {batch_size} ({asked}a step per {batch_size / parts:g} images)"
-             if parts > 1 else f"; a step every batch of {batch_size} images" + (f" ({asked[:-2]})" if asked else ""))
+    flag = f"--micro-steps {step_images}" if step_images not in (0, SHORT_RUN_BATCH) else ""
+    if parts > 1:
+        asked = f"{flag}: " if flag else ""
+        split = f"; {parts} optimizer steps per batch of {batch_size} ({asked}a step per {batch_size / parts:g} images)"
+    else:
+        split = f"; a step every batch of {batch_size} images" + (f" ({flag})" if flag else "")
     if not step_images:
         split += f" (--micro-steps off; on: a step per {SHORT_RUN_BATCH} images)"
     if gain == 1.0:  # steps of SHORT_RUN_BATCH images, or fewer (--micro-steps 8) at the same lr
