@@ -66,6 +66,9 @@ Figures (per model, worker count and contender):
                    timed steps (host time: CUDA kernels queued before the wait still run during it).
                    Ours: of which the training process's own queuing of the next batch's copy to
                    the device and (--augment-on device) its drawing, inside the wait.
+  fetched inside   ours: the share of the step time spent fetching the next batch and queuing its copy
+                   and drawing from inside the step (DeviceFeed.ahead, while the device runs the step's
+                   forward and backward): host time that the device's work can hide, not a wait.
   peak GPU MiB     torch.cuda.max_memory_allocated of the tool's process, read after every training
                    epoch and validation; the largest (tensors only, not the allocator's cache).
   peak RSS MiB     largest resident set of the tool's process or any loader worker it reaped (os.wait4).
@@ -158,7 +161,7 @@ PEAK_TFLOPS: list[tuple[str, float, str]] = [
 SHIM = r'''
 import json, sys, time
 mode, out_path, root, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-epochs, vals, facts, feeds = [], [], {"peak_mem": 0}, []
+epochs, vals, facts, feeds, aheads = [], [], {"peak_mem": 0}, [], []
 now = time.perf_counter
 
 def peak():
@@ -169,7 +172,7 @@ def peak():
 def save():
     peak()
     with open(out_path, "w") as f:
-        json.dump({"epochs": epochs, "vals": vals, "facts": facts, "feeds": feeds}, f)
+        json.dump({"epochs": epochs, "vals": vals, "facts": facts, "feeds": feeds, "aheads": aheads}, f)
 
 if mode == "ours":
     sys.path.insert(0, root)
@@ -186,6 +189,12 @@ if mode == "ours":
         feeds.append((t0, now()))
         return out
     device_feed.batch_images = batch_images
+    inner_ahead = device_feed.DeviceFeed.ahead
+    def ahead(self):  # the next batch fetched and queued: inside the step when the loop asks, else in the wait
+        t0 = now()
+        inner_ahead(self)
+        aheads.append((t0, now()))
+    device_feed.DeviceFeed.ahead = ahead
     def build_training(*a, **k):
         t = inner_build(*a, **k)
         if mosaic:
@@ -484,10 +493,12 @@ def run_shim(python: str, mode: str, args: list[str], env: dict[str, str], folde
     return run
 
 
-def step_figures(epochs: list[dict], warmup: int, batch: int, feeds: list | None = None) -> dict[str, float | None]:
-    """Steady train img/s and data-wait share over the timed steps (docstring: "train img/s"), and the share
-    of the waits spent queuing the next batch's copy and drawing (``feeds``: ours' (start, end) of each)."""
-    images, seconds, wait, steps, windows = 0, 0.0, 0.0, 0, []
+def step_figures(epochs: list[dict], warmup: int, batch: int, feeds: list | None = None,
+                 aheads: list | None = None) -> dict[str, float | None]:
+    """Steady train img/s and data-wait share over the timed steps (docstring: "train img/s"), the share
+    of the waits spent queuing the next batch's copy and drawing (``feeds``: ours' (start, end) of each),
+    and the share of the steps' own time spent fetching the next batch (``aheads``: DeviceFeed.ahead's)."""
+    images, seconds, wait, steps, windows, inside = 0, 0.0, 0.0, 0, [], []
     for ep in epochs:
         asks, gots = ep["asks"], ep["gots"]
         if ep["end"] is None or len(asks) != len(gots):
@@ -497,12 +508,18 @@ def step_figures(epochs: list[dict], warmup: int, batch: int, feeds: list | None
             seconds += ends[k] - asks[k]
             wait += gots[k] - asks[k]
             windows.append((asks[k], gots[k]))
+            inside.append((gots[k], ends[k]))
             images, steps = images + batch, steps + 1
     if not steps:
         raise SystemExit(f"no timed steps: each epoch needs more than --warmup {warmup} + 1 steps (raise --steps)")
-    feed = sum(min(b, e) - max(a, s) for s, e in feeds or () for a, b in windows if s < b and a < e)
+    feed, ahead = overlap(feeds, windows), overlap(aheads, inside)
     return {"train_img_s": images / seconds, "data_wait": wait / seconds, "timed_steps": steps,
-            "feed_wait": feed / seconds if feeds else None}
+            "feed_wait": feed / seconds if feeds else None, "ahead_share": ahead / seconds if aheads else None}
+
+
+def overlap(spans: list | None, windows: list[tuple[float, float]]) -> float:
+    """Seconds of ``spans`` ((start, end) pairs) that fall inside ``windows``."""
+    return sum(min(b, e) - max(a, s) for s, e in spans or () for a, b in windows if s < b and a < e)
 
 
 def training_vals(vals: list[dict], epochs: list[dict]) -> list[dict]:
@@ -569,7 +586,7 @@ def run_tool(c: Contender, model: str, workers: int, opt: argparse.Namespace, de
         args = ours_args(model, opt, workers, dev, data, base / "runs", c.flags)
     run = run_shim(python, c.tool, args, env, base)
     facts = run["facts"]
-    out = step_figures(run["epochs"], opt.warmup, opt.batch_size, run.get("feeds"))
+    out = step_figures(run["epochs"], opt.warmup, opt.batch_size, run.get("feeds"), run.get("aheads"))
     gpu_mib = facts["peak_mem"] / 2 ** 20 if device.type == "cuda" else None
     parts = val_parts(run["vals"], run["epochs"])
     out.update({f"val_{k}_ms": v for k, v in parts.items()})
@@ -600,6 +617,7 @@ ROWS = [  # (label, key, format, ratio shown)
     ("  val rest ms/img", "val_other_ms", "{:.2f}", True),
     ("data wait, share of step", "data_wait", "{:.1%}", True),
     ("  of which: queuing copy + drawing", "feed_wait", "{:.1%}", False),
+    ("next batch fetched inside the step", "ahead_share", "{:.1%}", False),
     ("peak GPU MiB (allocated)", "peak_gpu_mib", "{:.0f}", True),
     ("peak RSS MiB (host)", "peak_rss_mib", "{:.0f}", True),
     ("train GFLOP/img (3 x fwd)", "train_gflops_per_img", "{:.2f}", False),

@@ -59,7 +59,7 @@ from utils.data import dataset as dataset_module  # noqa: E402
 from utils.data import render as render_module  # noqa: E402
 from utils.data.batch import Batch, BatchMemory  # noqa: E402
 from utils.data.config import load_data_config, prepare_dataset  # noqa: E402
-from utils.data.device_feed import on_device  # noqa: E402
+from utils.data.device_feed import DeviceFeed  # noqa: E402
 from utils.data.device_augment import render_batch  # noqa: E402
 from utils.data.imgcache import release_ram_caches  # noqa: E402
 from utils.data.loader import PREFETCH, TrainSampler, create_dataloader  # noqa: E402
@@ -206,13 +206,14 @@ def delivered_rate(data, hyp: Hyp, imgsz: int, batch: int, workers: int, batches
     loader = create_dataloader(data.train, imgsz, batch, 32, info=DistInfo(), hyp=hyp, augment=True, shuffle=True,
                                workers=workers, nc=data.nc, seed=0, prefix="", pin_memory=True,
                                reuse_memory=in_place, render_on_device=True)
-    fed = on_device(epochs(loader), torch.device("cuda"), torch.channels_last)
+    fed = DeviceFeed(epochs(loader), torch.device("cuda"), torch.channels_last)
     for _ in range(warm_batches(workers)):
         next(fed)
     torch.cuda.synchronize()
     n, t0 = 0, time.perf_counter()
     for _ in range(batches):
         n += next(fed).batch.size
+        fed.ahead()  # as the training loop asks for the next batch during a step
     torch.cuda.synchronize()
     rate = n / (time.perf_counter() - t0)
     del fed, loader

@@ -50,6 +50,16 @@ def test_the_feeds_share_counts_only_its_time_inside_the_timed_waits():
     assert gpu_train.step_figures([ep], warmup=1, batch=4)["feed_wait"] is None  # Ultralytics: none recorded
 
 
+def test_the_ahead_share_counts_only_its_time_inside_the_timed_steps():
+    """Ours fetches the next batch from inside the step (DeviceFeed.ahead): that part of the timed steps' own
+    time, not of their waits, and not of the untimed warm-up or last step."""
+    ep = {"asks": [0.0, 1.0, 3.0, 6.0], "gots": [0.5, 1.2, 3.1, 6.1], "end": 10.0}
+    aheads = [(0.6, 0.9), (1.1, 1.5), (2.0, 2.5), (3.1, 3.3), (7.0, 8.0)]  # warm-up, half in a wait, in, in, last
+    out = gpu_train.step_figures([ep], warmup=1, batch=4, aheads=aheads)
+    assert out["ahead_share"] == pytest.approx((0.3 + 0.5 + 0.2) / 5.0)
+    assert gpu_train.step_figures([ep], warmup=1, batch=4)["ahead_share"] is None  # Ultralytics: none recorded
+
+
 def test_step_figures_without_timed_steps_say_so():
     ep = {"asks": [0.0, 1.0], "gots": [0.1, 1.1], "end": 2.0}
     with pytest.raises(SystemExit, match="no timed steps"):

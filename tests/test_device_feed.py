@@ -7,7 +7,7 @@ import torch
 
 from utils.data.shapes import generate_shapes
 from utils.core.hyp import Hyp
-from utils.data.device_feed import batch_images, on_device
+from utils.data.device_feed import DeviceFeed, batch_images
 from utils.data.loader import create_dataloader
 
 HYP = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0, mixup=0.3,
@@ -33,13 +33,47 @@ def _batches(shapes, on_device_path: bool, pin: bool = False) -> list:
 def test_each_batch_arrives_with_its_own_images(shapes, path, memory_format):
     batches = _batches(shapes, path == "device")
     cpu = torch.device("cpu")
-    fed = list(on_device(iter(batches), cpu, memory_format))
+    fed = list(DeviceFeed(iter(batches), cpu, memory_format))
     assert [f.batch.indices.tolist() for f in fed] == [b.indices.tolist() for b in batches]
     for f, b in zip(fed, batches):
         expected = batch_images(b, cpu, memory_format)
         assert f.images.dtype == torch.float32 and f.images.shape == (b.size, 3, 96, 96)
         assert f.images.is_contiguous(memory_format=memory_format)
         assert torch.equal(f.images, expected) and 0 <= float(f.images.min()) and float(f.images.max()) <= 1
+
+
+class _Counted:
+    """The loader's batches, counting how many were asked for."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.asked = batches, 0
+
+    def __iter__(self):
+        for b in self.batches:
+            self.asked += 1
+            yield b
+
+
+@pytest.mark.parametrize("path", ["workers", "device"])
+def test_ahead_fetches_the_next_batch_once_and_changes_nothing(shapes, path):
+    """ahead() takes the next batch from the loader during a step: once however often it is called, never
+    past the end, and every batch arrives with the images it would have without it."""
+    batches = _batches(shapes, path == "device")
+    cpu = torch.device("cpu")
+    plain = list(DeviceFeed(iter(batches), cpu, torch.channels_last))
+    loader = _Counted(batches)
+    feed = DeviceFeed(loader, cpu, torch.channels_last)
+    seen = []
+    for k, f in enumerate(feed):
+        assert loader.asked == k + 1
+        feed.ahead()
+        feed.ahead()
+        assert loader.asked == min(k + 2, len(batches))
+        seen.append(f)
+    feed.ahead()
+    assert loader.asked == len(batches) == len(seen) == len(plain)
+    for a, b in zip(seen, plain):
+        assert a.batch.indices.tolist() == b.batch.indices.tolist() and torch.equal(a.images, b.images)
 
 
 def test_the_device_path_images_are_the_loaders_pixels(shapes):
@@ -50,7 +84,9 @@ def test_the_device_path_images_are_the_loaders_pixels(shapes):
 
 
 def test_an_empty_loader_feeds_nothing():
-    assert list(on_device(iter([]), torch.device("cpu"), torch.channels_last)) == []
+    feed = DeviceFeed(iter([]), torch.device("cpu"), torch.channels_last)
+    feed.ahead()
+    assert list(feed) == []
 
 
 @pytest.mark.cuda
@@ -62,8 +98,10 @@ def test_the_side_stream_feeds_what_the_inline_path_draws(shapes, path):
     gpu = torch.device("cuda", 0)
     inline = [batch_images(b, gpu, torch.channels_last).cpu() for b in batches]
     seen = []
-    for f in on_device(iter(batches), gpu, torch.channels_last):
+    feed = DeviceFeed(iter(batches), gpu, torch.channels_last)
+    for f in feed:
         assert f.images.device.type == "cuda"
+        feed.ahead()  # as the training loop asks: the next batch drawn while this one is read
         seen.append((f.images * 1).cpu())  # a kernel on the training stream reads it
     assert len(seen) == len(inline)
     for a, b in zip(seen, inline):

@@ -134,7 +134,7 @@ def test_a_stalled_loader_worker_names_the_loader_and_ends_the_run(tiny_data, tm
     if left:
         os.kill(worker, signal.SIGKILL)
     assert p.returncode == EXIT_HUNG, out[-3000:]
-    assert _report(0, "phase 'loader' (epoch 1, batch 3)").search(out), out[-3000:]
+    assert _report(0, "phase 'step > loader' (epoch 1, batch 3)").search(out), out[-3000:]
     assert "most recent call first" in out
     assert seconds < HANG_MIN * 60 + 60  # the run itself takes seconds before the stall
     assert not left, f"the stalled loader worker {worker} outlived its rank"

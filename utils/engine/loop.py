@@ -22,7 +22,7 @@ from utils.core import dist
 from utils.core.errors import EXIT_PREEMPTED
 from utils.core.logging import LOGGER
 from utils.core.watchdog import Watchdog
-from utils.data.device_feed import OnDevice, on_device
+from utils.data.device_feed import DeviceFeed, OnDevice
 from utils.engine.hooks import EpochVerdict, Hooks
 from utils.engine.preempt import StopRequest
 from utils.engine.progress import ProgressBar
@@ -145,13 +145,14 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
     most ``accumulate`` batches later) with a mid-epoch last.pt and a PREEMPTED stop; when that step is
     the epoch's last, the epoch ends as usual and run_epochs stops after its checkpoint. A non-finite
     loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop. ``watch`` hears of each
-    batch: fetched in phase "loader", trained in "step", saved in "save"."""
+    batch: fetched in phase "loader" (from the second on, inside the step before it: ``DeviceFeed.ahead``),
+    trained in "step", saved in "save"."""
     t.model.train()
     state, nb = t.state, t.batches_per_epoch
     epoch, first = state.epoch, state.batch
     mloss = state.mloss if first else torch.zeros(len(t.criterion.loss_names), device=t.device)
     bar = ProgressBar(t, first, nb)
-    fed = on_device(t.train_loader, t.device, t.memory_format)  # CUDA: the next batch's images drawn meanwhile
+    fed = DeviceFeed(t.train_loader, t.device, t.memory_format)  # fed.ahead(): the next batch during this step
     for i, item in fetch_batches(bar.enumerate(fed, first), watch, epoch, first):
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
             state.batch = i + 1
@@ -162,6 +163,8 @@ def train_one_epoch(t: Training, loop: LoopState, hooks: Hooks, stop: StopReques
             mloss = torch.where(finite, (mloss * i + fw.loss_items) / (i + 1), mloss)
             if not fw.stepped:
                 backward(t, fw.loss)
+            with watch.phase("loader", f"epoch {epoch + 1}, batch {i + 2}"):
+                fed.ahead()  # fetched and queued while the device runs this batch, before check_step waits for it
             if not fw.steps:
                 hooks.events.batch_end(ni, mloss, stepped=False)
                 continue
