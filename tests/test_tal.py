@@ -252,6 +252,17 @@ def test_pad_targets_unsorted_rows_and_an_empty_image():
     assert (boxes[~mask] == 0).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["random", "crowd", "empty_image_beside_many"])
+def test_pad_targets_from_host_rows_to_cuda_equal_the_cpus(case):
+    """The loader's host rows padded for a CUDA loss (in page-locked memory, one copy): the CPU's tensors."""
+    targets = CASES[case](torch.Generator().manual_seed(0), 3).float()
+    cpu = pad_targets(targets, 3, torch.tensor(HW, dtype=torch.float32))
+    gpu = pad_targets(targets, 3, torch.tensor(HW, dtype=torch.float32, device="cuda"))
+    for a, b in zip(cpu, gpu):
+        assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(a, b.cpu())
+
+
 def test_pad_targets_none_at_all():
     labels, boxes, mask = pad_targets(torch.zeros(0, 6), 3, torch.tensor([64.0, 64.0]))
     assert labels.shape == (3, 0) and boxes.shape == (3, 0, 4) and mask.shape == (3, 0)

@@ -121,7 +121,9 @@ def pad_targets(
     Image indices must be below batch_size (not checked).
 
     The padding is built where ``targets`` are: the loader's host tensor, so reading M (a shape)
-    costs no device sync; only the padded tensors are copied to the device, then scaled there.
+    costs no device sync. Class, box and mask travel in one (B, M, 6) tensor, then split and scaled on
+    the device; for a CUDA device it is built in page-locked memory, as a copy from pageable memory may
+    make the host wait for the stream (the forward still running) before the loss is even queued.
     """
     host, device, dtype = targets.device, image_hw.device, targets.dtype
     n = targets.shape[0]
@@ -134,14 +136,13 @@ def pad_targets(
     m = int(counts.max())  # free on the host; a device sync if the caller passed device targets
     image_sorted, order = torch.sort(image, stable=True)
     slot = torch.arange(n, device=host) - (counts.cumsum(0) - counts)[image_sorted]
-    rows = targets[order]
-    labels = torch.zeros(batch_size, m, dtype=torch.long, device=host)
-    xywh = torch.zeros(batch_size, m, 4, dtype=dtype, device=host)
-    labels[image_sorted, slot] = rows[:, 1].long()
-    xywh[image_sorted, slot] = rows[:, 2:6]
-    mask = torch.arange(m, device=host) < counts[:, None]
-    boxes = xywh2xyxy(xywh.to(device, non_blocking=True) * image_hw.to(dtype).flip(0).repeat(2))
-    return labels.to(device, non_blocking=True), boxes, mask.to(device, non_blocking=True)
+    pinned = host.type == "cpu" and device.type == "cuda"
+    packed = torch.zeros(batch_size, m, 6, dtype=dtype, device=host, pin_memory=pinned)  # class, xc, yc, w, h, real
+    packed[image_sorted, slot, :5] = targets[order, 1:6]
+    packed[image_sorted, slot, 5] = 1
+    packed = packed.to(device, non_blocking=True)
+    boxes = xywh2xyxy(packed[..., 1:5] * image_hw.to(dtype).flip(0).repeat(2))
+    return packed[..., 0].long(), boxes, packed[..., 5] > 0
 
 
 # ------------------------------------------------------------------------------------ assigner
