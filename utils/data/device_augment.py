@@ -202,12 +202,18 @@ def mix(warped: torch.Tensor, samples: torch.Tensor, plan: np.ndarray) -> torch.
     if not mixed.any():
         return warped if np.array_equal(first, np.arange(len(warped))) else warped[samples[:, 0].long()]
     dev = warped.device
-    rows = torch.from_numpy(np.flatnonzero(mixed)).to(dev, non_blocking=True)
-    partners = torch.from_numpy(second[mixed]).to(dev, non_blocking=True)
+    rows, partners = (_to_device(a, dev) for a in (np.flatnonzero(mixed), second[mixed]))
     out = warped.index_select(0, samples[:, 0].long())
     r = samples.index_select(0, rows)[:, 2].view(-1, 1, 1, 1)
     blended = torch.floor(out.index_select(0, rows).double() * r + warped.index_select(0, partners).double() * (1 - r))
     return out.index_copy_(0, rows, blended.float())
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting: to CUDA through page-locked memory, since a copy from
+    pageable memory may wait for the stream (this batch's warp, just queued) to finish."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
