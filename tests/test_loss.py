@@ -1,6 +1,7 @@
 """AnchorLoss (the anchor head's criterion): target assignment (anchors + neighbour cells), loss values, and that it trains."""
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, smooth_bce
+from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, smooth_bce, to_device
 from models.yolo import Model, de_parallel
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -213,6 +214,35 @@ def test_wrapped_model_and_live_anchors() -> None:
     n_before = cl.build_targets(zero_preds(m), t)[2][0][0].numel()
     m.detect.anchors[0] *= 20  # e.g. autoanchor replaced them in place: no level-0 match now
     assert cl.build_targets(zero_preds(m), t)[2][0][0].numel() == 0 < n_before
+
+
+def test_build_targets_on_the_host_reach_the_loss_device_in_two_copies(model: Model) -> None:
+    """The matches are built where the targets are and packed per kind for the copy: the same tensors."""
+    t = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.6, 0.5, 0.5, 0.4], [1, 1, 0.1, 0.9, 0.05, 0.1]])
+    built = ComputeLoss(model, make_hyp()).build_targets(zero_preds(model), t)
+    moved = to_device(torch.device("cpu"), *built)
+    for level in range(model.detect.nl):
+        assert torch.equal(moved[0][level], built[0][level]) and torch.equal(moved[1][level], built[1][level])
+        assert all(torch.equal(a, b) for a, b in zip(moved[2][level], built[2][level]))
+        assert torch.equal(moved[3][level], built[3][level])
+    assert sum(len(c) for c in built[0]) > 0
+
+
+@pytest.mark.cuda
+def test_the_cuda_loss_from_host_targets_equals_the_cpus_and_follows_live_anchors() -> None:
+    torch.manual_seed(0)
+    m = Model(MODELS / "yolov5n.yaml", nc=3).train()
+    g = copy.deepcopy(m).cuda()
+    img = torch.rand(2, 3, IMG, IMG)
+    t = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.6, 0.5, 0.5, 0.4]])
+    _, cpu_items = ComputeLoss(m, make_hyp())(m(img), t)
+    cl = ComputeLoss(g, make_hyp())
+    _, items = cl(g(img.cuda()), t)
+    assert items.device.type == "cuda" and torch.allclose(items.cpu(), cpu_items, rtol=1e-3, atol=1e-6)
+    one = target_at(5.3, 7.2, 1.5, 2.5)
+    n_before = cl.build_targets(zero_preds(g), one)[2][0][0].numel()
+    g.detect.anchors[0] *= 20  # in place on the GPU: the host copy must follow
+    assert cl.build_targets(zero_preds(g), one)[2][0][0].numel() == 0 < n_before
 
 
 def test_loss_drops_when_fitting_one_batch() -> None:

@@ -78,6 +78,7 @@ class AnchorLoss:
         self.gr = 1.0  # objectness target = gr * iou + (1 - gr)
         self._pos_weights: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._constants: dict[tuple, torch.Tensor] = {}
+        self._anchor_copy: tuple[tuple, torch.Tensor] | None = None  # _anchors: the head's anchors on the host
 
     def set_progress(self, epoch: int, epochs: int) -> None:
         """The same loss at every epoch."""
@@ -85,12 +86,11 @@ class AnchorLoss:
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (total loss * batch size, shape (1,)) and detached [box, obj, cls] items."""
         device = preds[0].device
-        targets = targets.to(device=device, dtype=torch.float32)
         cls_pw, obj_pw = self._pos_weight(device)
         lbox = torch.zeros(1, device=device)
         lobj = torch.zeros(1, device=device)
         lcls = torch.zeros(1, device=device)
-        tcls, tbox, indices, anchors = self.build_targets(preds, targets)
+        tcls, tbox, indices, anchors = to_device(device, *self.build_targets(preds, targets.to(torch.float32)))
         for i, pi in enumerate(preds):
             b, a, gj, gi = indices[i]
             tobj = torch.zeros(pi.shape[:4], dtype=torch.float32, device=device)
@@ -143,11 +143,12 @@ class AnchorLoss:
         """Match every target to anchors (wh ratio < anchor_t) and to its cell plus 2 neighbours.
 
         Returns per level: class ids, boxes (xy offset from the cell, wh; grid units), indices
-        (image, anchor, grid y, grid x) and the matched anchors (grid units).
+        (image, anchor, grid y, grid x) and the matched anchors (grid units), where ``targets`` are: the
+        loader's host rows, so the matching's masks (whose sizes the data decide) never wait for the GPU.
         """
         device = targets.device
         na, nt = self.na, targets.shape[0]
-        anchors_all = self.det.anchors.to(device)
+        anchors_all = self._anchors(device)
         ai = torch.arange(na, device=device, dtype=torch.float32).view(na, 1).expand(na, nt)
         # (na, nt, 7): image, cls, x, y, w, h, anchor index
         t_all = torch.cat((targets.unsqueeze(0).expand(na, nt, 6), ai[..., None]), 2)
@@ -182,6 +183,36 @@ class AnchorLoss:
             anch.append(anchors[a])
             tcls.append(c)
         return tcls, tbox, indices, anch
+
+
+    def _anchors(self, device: torch.device) -> torch.Tensor:
+        """The head's anchors on ``device``, read from the head at each call; a copy off the GPU (which waits for
+        it) is made again only once the anchors changed (autoanchor, a checkpoint load, ``.to``)."""
+        anchors = self.det.anchors
+        if anchors.device == device:
+            return anchors
+        key = (anchors.data_ptr(), anchors._version, device)
+        if self._anchor_copy is None or self._anchor_copy[0] != key:
+            self._anchor_copy = key, anchors.to(device)
+        return self._anchor_copy[1]
+
+
+Matches = tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]], list[torch.Tensor]]
+
+
+def to_device(device: torch.device, tcls: list[torch.Tensor], tbox: list[torch.Tensor],
+              indices: list[tuple[torch.Tensor, ...]], anchors: list[torch.Tensor]) -> Matches:
+    """build_targets' per-level matches on ``device``: every level's integers in one tensor and its floats in
+    another, each copied once (through page-locked memory to CUDA, so the host never waits), then split."""
+    counts = [len(c) for c in tcls]
+    ints = torch.cat([torch.stack((*idx, c), 1) for idx, c in zip(indices, tcls)])  # image, anchor, gj, gi, class
+    floats = torch.cat([torch.cat((b, a), 1) for b, a in zip(tbox, anchors)])  # box (4), anchor (2)
+    if ints.device != device:
+        pin = device.type == "cuda" and ints.device.type == "cpu"
+        ints, floats = ((x.pin_memory() if pin else x).to(device, non_blocking=True) for x in (ints, floats))
+    ints, floats = ints.split(counts), floats.split(counts)
+    return ([i[:, 4] for i in ints], [f[:, :4] for f in floats], [tuple(i[:, :4].unbind(1)) for i in ints],
+            [f[:, 4:] for f in floats])
 
 
 def _xywh2xyxy(xy: torch.Tensor, wh: torch.Tensor) -> torch.Tensor:
