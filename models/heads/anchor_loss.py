@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import complete_box_iou_loss
 
 from models.heads.base import Head
+from models.heads.tal import bbox_ciou
 from utils.core.hyp import Hyp
 
 NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
@@ -97,13 +97,13 @@ class AnchorLoss:
             if b.shape[0]:
                 ps = pi[b, a, gj, gi].float()
                 pxy = ps[:, :2].sigmoid() * 2 - 0.5
-                # A collapsed side (sigmoid -> 0) would round to exactly 0 once torchvision rebuilds
-                # w, h from xyxy in float32, and atan(w / h) then back-propagates NaN. No real box is
-                # under 1e-3 grid cells, so the clamp changes nothing else.
+                # A collapsed side (sigmoid -> 0) would round to exactly 0 once w, h are rebuilt from
+                # xyxy in float32. No real box is under 1e-3 grid cells, so the clamp changes nothing else.
                 pwh = ((ps[:, 2:4].sigmoid() * 2) ** 2 * anchors[i]).clamp(min=1e-3)
-                loss_box = complete_box_iou_loss(_xywh2xyxy(pxy, pwh), _xywh2xyxy(tbox[i][:, :2], tbox[i][:, 2:]))
-                lbox += loss_box.mean()
-                iou = (1.0 - loss_box).detach().clamp(0)  # CIoU of each match
+                # CIoU without masks (torchvision's box losses index by mask: a host sync per call on CUDA)
+                ciou = bbox_ciou(_xywh2xyxy(pxy, pwh), _xywh2xyxy(tbox[i][:, :2], tbox[i][:, 2:]))
+                lbox += (1.0 - ciou).mean()
+                iou = ciou.detach().clamp(0)  # CIoU of each match
                 tobj[b, a, gj, gi] = (1.0 - self.gr) + self.gr * iou
                 if self.nc > 1:  # one class needs no classifier
                     t = torch.full_like(ps[:, 5:], self.cn)
