@@ -44,6 +44,19 @@ def _both(data: LoadImagesAndLabels, keys: list) -> tuple:
     return cpu, dev, render_batch(dev.deferred, torch.device("cpu"))
 
 
+def test_drawing_never_reads_the_device(shapes):
+    """Every decision comes from the host's rows: drawn on the meta device (shapes, no data), a batch with
+    mosaic, mixup, perspective and HSV comes out, as no data-dependent step on the device's tensors could."""
+    hyp = dataclasses.replace(FULL, perspective=0.0005)
+    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=hyp, nc=6, seed=4, verbose=False)
+    data.render_on_device = True
+    batch = data.__getitems__([SampleKey(0, i, True, tuple(j for j in range(16) if j != i)) for i in range(12)])
+    plan = batch.deferred.samples.numpy()
+    assert (plan[:, 1] >= 0).any() and (plan[:, 3] > 0).any()  # some mixup, some HSV
+    img = render_batch(batch.deferred, torch.device("meta"))
+    assert img.device.type == "meta" and img.shape == (12, 3, 96, 96)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_path_draws_what_the_loader_draws(shapes, case):
     data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=CASES[case], nc=6, seed=4, verbose=False)
