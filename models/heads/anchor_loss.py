@@ -184,7 +184,6 @@ class AnchorLoss:
             tcls.append(c)
         return tcls, tbox, indices, anch
 
-
     def _anchors(self, device: torch.device) -> torch.Tensor:
         """The head's anchors on ``device``, read from the head at each call; a copy off the GPU (which waits for
         it) is made again only once the anchors changed (autoanchor, a checkpoint load, ``.to``)."""
@@ -216,7 +215,7 @@ def to_device(device: torch.device, tcls: list[torch.Tensor], tbox: list[torch.T
 
 
 def _xywh2xyxy(xy: torch.Tensor, wh: torch.Tensor) -> torch.Tensor:
-    """Centre/size halves -> (N, 4) corners, for torchvision's box losses."""
+    """Centre/size -> (N, 4) corners, as bbox_ciou takes boxes."""
     half = wh / 2
     return torch.cat((xy - half, xy + half), 1)
 
