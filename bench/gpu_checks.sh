@@ -13,14 +13,14 @@
 # 3. bench/train_speed.py at 640, batch 64 on the GPU: where a training step's time goes (torch profiler),
 #    and (host_profile) the training process's Python, where the host's slow cores spend a step (cProfile).
 # 4. bench/val_speed.py on stage 1's checkpoint: val.py end to end and where its time goes.
-# 5. micro_steps: bench/gpu_train.py, ours alone at batch 128 on stage 1's data, one AdamW step per batch (a CUDA
-#    run's default) beside `--micro-steps 64` (two steps of 64 images, the batch-64 run's steps): what the
-#    more accurate choice costs a GPU.
+# 5. micro_steps: bench/gpu_train.py, ours alone at batch 64 on stage 1's data, one AdamW step per batch (a CUDA
+#    run's default) beside `--micro-steps 32` and `--micro-steps 16` (two and four steps per batch): what a
+#    step costs by its images, so what the more accurate choices cost a GPU.
 # 6. pytest -m cuda (the GPU twins of the CPU tests; one GPU), each test at most TEST_EACH seconds where
 #    pytest-timeout is installed.
 # STAGES picks and orders them (default: all, as above); stages 2-5 read stage 1's data (4: its run).
 # Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (280),
-# LOADER_SECONDS (120), STEP_SECONDS (90), HOST_SECONDS (60), VAL_SECONDS (60), MICRO_SECONDS (200), TEST_SECONDS (200),
+# LOADER_SECONDS (120), STEP_SECONDS (90), HOST_SECONDS (60), VAL_SECONDS (60), MICRO_SECONDS (240), TEST_SECONDS (200),
 # TEST_EACH (200). On an H100 host stages 1-4 took about 5 minutes and the cuda tests need over 4: one
 # device call holds at most 10, so a 15-minute loan runs STAGES="gpu_train loader train_speed micro_steps
 # host_profile val_speed" and then STAGES=cuda_tests, each call starting its host (about 45 s).
@@ -34,11 +34,11 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SIZE=(--device cpu --imgsz 64 --batch-size 8 --steps 4 --warmup 1 --n-val 8 --epochs 2); LOADER_SIZE=(--imgsz 64 --batch 8)
   VAL=(--device cpu --imgsz 64 --batch-size 16); LOADER_WORKERS=(0 2)
   STEP=(--device cpu --imgsz 64 --batch-size 8 --warmup 1 --steps 2 --workers 0)
-  MICRO=(--device cpu --imgsz 64 --batch-size 8 --steps 3 --warmup 1 --n-val 8 --epochs 1 --workers 2); PART=8
+  MICRO=(--device cpu --imgsz 64 --batch-size 8 --steps 3 --warmup 1 --n-val 8 --epochs 1 --workers 2); PARTS=(8)
 else
   SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64); VAL=(--device 0 --imgsz 640 --batch-size 128)
   LOADER_WORKERS=(4 8); STEP=(--device 0 --imgsz 640 --batch-size 64 --warmup 5 --steps 15 --workers 8)
-  MICRO=(--batch-size 128 --epochs 2 --steps 12 --warmup 3 --workers 8); PART=64
+  MICRO=(--batch-size 64 --epochs 2 --steps 12 --warmup 3 --workers 8); PARTS=(32 16)
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/mpl} YOLO_CONFIG_DIR=${YOLO_CONFIG_DIR:-/tmp/yolo_cfg}
@@ -80,9 +80,11 @@ run_stage() {
     stage val_speed "${VAL_SECONDS:-60}" "$PY" bench/val_speed.py --weights "$W/runs/train/weights/last.pt" \
       --data "$W/data/data.yaml" "${VAL[@]}" --workers 8 --runs 2 --noplots ;;
   micro_steps)
-    stage micro_steps "${MICRO_SECONDS:-200}" "$PY" bench/gpu_train.py --only ours --models yolov8n "${MICRO[@]}" \
-      --data /tmp/gpu_checks/source/shapes.yaml --ours-variant one-step= \
-      --ours-variant "steps$PART=--micro-steps $PART" --workdir /tmp/gpu_checks_micro --json "$OUT/micro_steps.json" ;;
+    parts=()
+    for n in "${PARTS[@]}"; do parts+=(--ours-variant "steps$n=--micro-steps $n"); done
+    stage micro_steps "${MICRO_SECONDS:-240}" "$PY" bench/gpu_train.py --only ours --models yolov8n "${MICRO[@]}" \
+      --data /tmp/gpu_checks/source/shapes.yaml --ours-variant one-step= "${parts[@]}" \
+      --workdir /tmp/gpu_checks_micro --json "$OUT/micro_steps.json" ;;
   cuda_tests)
     each=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then each=(--timeout "${TEST_EACH:-200}"); fi
