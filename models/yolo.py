@@ -89,6 +89,13 @@ class Model(nn.Module):
         (utils.core.boxes.postprocess), so callers never ask which family the model is."""
         return bool(self.detect.end2end)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """What DDP (which reads this attribute) leaves out of its broadcast of buffers at every forward: the
+        anchor head's anchors, the same on every rank by construction (autoanchor broadcasts its result once),
+        which the anchor loss copies to the host only when they change."""
+        return [name for name, _ in self.named_buffers() if name.rsplit(".", 1)[-1] == "anchors"]
+
     def forward(self, x: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         y: list[torch.Tensor | None] = []
         for m in self.model:

@@ -228,6 +228,13 @@ def test_build_targets_on_the_host_reach_the_loss_device_in_two_copies(model: Mo
     assert sum(len(c) for c in built[0]) > 0
 
 
+def test_ddp_leaves_the_anchors_out_of_its_buffer_broadcast() -> None:
+    """DDP re-broadcasts buffers at every forward; the anchors (equal on every rank) are left out, so their
+    host copy in the loss stays valid instead of being read back from the GPU at every step."""
+    assert Model(MODELS / "yolov5n.yaml", nc=3)._ddp_params_and_buffers_to_ignore == ["model.24.anchors"]
+    assert Model(MODELS / "yolov8n.yaml", nc=3)._ddp_params_and_buffers_to_ignore == []
+
+
 @pytest.mark.cuda
 def test_the_cuda_loss_from_host_targets_equals_the_cpus_and_follows_live_anchors() -> None:
     torch.manual_seed(0)
@@ -240,6 +247,7 @@ def test_the_cuda_loss_from_host_targets_equals_the_cpus_and_follows_live_anchor
     _, items = cl(g(img.cuda()), t)
     assert items.device.type == "cuda" and torch.allclose(items.cpu(), cpu_items, rtol=1e-3, atol=1e-6)
     one = target_at(5.3, 7.2, 1.5, 2.5)
+    assert cl._anchors(torch.device("cpu")) is cl._anchors(torch.device("cpu"))  # copied once while unchanged
     n_before = cl.build_targets(zero_preds(g), one)[2][0][0].numel()
     g.detect.anchors[0] *= 20  # in place on the GPU: the host copy must follow
     assert cl.build_targets(zero_preds(g), one)[2][0][0].numel() == 0 < n_before
