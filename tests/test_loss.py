@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, smooth_bce, to_device
+from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, matches_to_device, smooth_bce
 from models.yolo import Model, de_parallel
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -220,7 +220,7 @@ def test_build_targets_on_the_host_reach_the_loss_device_in_two_copies(model: Mo
     """The matches are built where the targets are and packed per kind for the copy: the same tensors."""
     t = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.6, 0.5, 0.5, 0.4], [1, 1, 0.1, 0.9, 0.05, 0.1]])
     built = ComputeLoss(model, make_hyp()).build_targets(zero_preds(model), t)
-    moved = to_device(torch.device("cpu"), *built)
+    moved = matches_to_device(torch.device("cpu"), *built)
     for level in range(model.detect.nl):
         assert torch.equal(moved[0][level], built[0][level]) and torch.equal(moved[1][level], built[1][level])
         assert all(torch.equal(a, b) for a, b in zip(moved[2][level], built[2][level]))

@@ -14,6 +14,7 @@ from torch import nn
 from models.heads.base import Head
 from models.heads.tal import bbox_ciou
 from utils.core.hyp import Hyp
+from utils.core.transfer import to_device
 
 NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
 
@@ -90,7 +91,8 @@ class AnchorLoss:
         lbox = torch.zeros(1, device=device)
         lobj = torch.zeros(1, device=device)
         lcls = torch.zeros(1, device=device)
-        tcls, tbox, indices, anchors = to_device(device, *self.build_targets(preds, targets.to(torch.float32)))
+        matches = self.build_targets(preds, targets.to(torch.float32))  # on the host: the loader's rows
+        tcls, tbox, indices, anchors = matches_to_device(device, *matches)
         for i, pi in enumerate(preds):
             b, a, gj, gi = indices[i]
             tobj = torch.zeros(pi.shape[:4], dtype=torch.float32, device=device)
@@ -199,17 +201,14 @@ class AnchorLoss:
 Matches = tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]], list[torch.Tensor]]
 
 
-def to_device(device: torch.device, tcls: list[torch.Tensor], tbox: list[torch.Tensor],
-              indices: list[tuple[torch.Tensor, ...]], anchors: list[torch.Tensor]) -> Matches:
+def matches_to_device(device: torch.device, tcls: list[torch.Tensor], tbox: list[torch.Tensor],
+                      indices: list[tuple[torch.Tensor, ...]], anchors: list[torch.Tensor]) -> Matches:
     """build_targets' per-level matches on ``device``: every level's integers in one tensor and its floats in
     another, each copied once (through page-locked memory to CUDA, so the host never waits), then split."""
     counts = [len(c) for c in tcls]
     ints = torch.cat([torch.stack((*idx, c), 1) for idx, c in zip(indices, tcls)])  # image, anchor, gj, gi, class
     floats = torch.cat([torch.cat((b, a), 1) for b, a in zip(tbox, anchors)])  # box (4), anchor (2)
-    if ints.device != device:
-        pin = device.type == "cuda" and ints.device.type == "cpu"
-        ints, floats = ((x.pin_memory() if pin else x).to(device, non_blocking=True) for x in (ints, floats))
-    ints, floats = ints.split(counts), floats.split(counts)
+    ints, floats = to_device(ints, device).split(counts), to_device(floats, device).split(counts)
     return ([i[:, 4] for i in ints], [f[:, :4] for f in floats], [tuple(i[:, :4].unbind(1)) for i in ints],
             [f[:, 4:] for f in floats])
 

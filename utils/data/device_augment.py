@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from utils.core.transfer import to_device
 from utils.data.augment import hsv_luts
 from utils.data.batch import BatchMemory, DeferredImages
 from utils.data.plan import Composite, SamplePlan
@@ -202,18 +203,11 @@ def mix(warped: torch.Tensor, samples: torch.Tensor, plan: np.ndarray) -> torch.
     if not mixed.any():
         return warped if np.array_equal(first, np.arange(len(warped))) else warped[samples[:, 0].long()]
     dev = warped.device
-    rows, partners = (_to_device(a, dev) for a in (np.flatnonzero(mixed), second[mixed]))
+    rows, partners = (to_device(torch.from_numpy(a), dev) for a in (np.flatnonzero(mixed), second[mixed]))
     out = warped.index_select(0, samples[:, 0].long())
     r = samples.index_select(0, rows)[:, 2].view(-1, 1, 1, 1)
     blended = torch.floor(out.index_select(0, rows).double() * r + warped.index_select(0, partners).double() * (1 - r))
     return out.index_copy_(0, rows, blended.float())
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on ``device`` without waiting: to CUDA through page-locked memory, since a copy from
-    pageable memory may wait for the stream (this batch's warp, just queued) to finish."""
-    t = torch.from_numpy(a)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torch.Tensor:
