@@ -134,3 +134,21 @@ def restore_logger():
     LOGGER.handlers[:] = saved[0]
     LOGGER.setLevel(saved[1])
     LOGGER.propagate = saved[2]
+
+
+@pytest.fixture
+def project_log(restore_logger) -> list[str]:
+    """The messages the project logger emits at INFO and above during the test, whether or not it propagates
+    (a CLI run earlier in the session turns propagation off, which would leave ``caplog`` empty). A CLI run
+    inside the test replaces the logger's handlers: ask for this fixture after it."""
+    import logging
+
+    from utils.core.logging import LOGGER
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(logging.INFO)
+    yield messages
+    LOGGER.removeHandler(handler)

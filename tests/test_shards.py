@@ -4,6 +4,7 @@ folder."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -21,6 +22,7 @@ from utils.data.labels import LabelTable, img2label_paths, resolve_image_files, 
 from utils.core.hyp import Hyp
 from utils.data.imgcache import release_ram_caches
 from utils.data.loader import create_dataloader
+from utils.data.shardcache import BUDGET_ENV, ShardCache
 from utils.data.shards import ShardIndex
 from yolotrain.app import shards
 
@@ -189,8 +191,9 @@ def test_cache_ram_and_disk_hold_a_shard_index_s_images(tmp_path, mode, restore_
         release_ram_caches(0, cached.dataset.imgcache, wait=False)
 
 
-def test_a_file_url_goes_through_the_object_storage_layer(tmp_path, restore_logger):
+def test_a_file_url_goes_through_the_object_storage_layer(tmp_path, restore_logger, monkeypatch):
     pytest.importorskip("fsspec", reason="pip install -r requirements-s3.txt")
+    monkeypatch.setenv(BUDGET_ENV, "1")  # a budget, so the copy does not hang on this disk's free space
     out = _make(_folder(tmp_path / "src", 3), tmp_path / "out", "--nc", "1")
     local = ShardIndex.open(out / "train.index")
     there = ShardIndex.open(f"file://{out}/train.index", cache_dir=tmp_path / "node")
@@ -198,3 +201,20 @@ def test_a_file_url_goes_through_the_object_storage_layer(tmp_path, restore_logg
     there.cache.wait()  # the node's copy of the shard, as from a bucket
     assert (tmp_path / "node" / "yolotrain-shards" / local.meta["id"] / "train-000000.tar").read_bytes() == (
         out / "train-000000.tar").read_bytes()
+
+
+def test_without_a_budget_the_copies_keep_the_disk_s_reserve_free(tmp_path, monkeypatch, request, restore_logger):
+    pytest.importorskip("fsspec", reason="pip install -r requirements-s3.txt")
+    out = _make(_folder(tmp_path / "src", 3), tmp_path / "out", "--nc", "1")
+    project_log = request.getfixturevalue("project_log")  # after the CLI run, which resets the logger's handlers
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    shard = f"file://{out}/train-000000.tar"
+    total = 100 * 2**30  # a 100 GiB disk: the reserve is 10 GiB
+    for free, copied in [(9 * 2**30, False), (11 * 2**30, True)]:
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(total, total - free, free))
+        cache = ShardCache(tmp_path / f"node-{free}" / "id", budget=None)
+        assert cache.local(shard, None) is None  # the first read queues the copy
+        cache.wait()
+        assert (cache.local(shard, None) is not None) == copied
+        assert sum("no room for more shard copies" in m for m in project_log) == (0 if copied else 1)
+        project_log.clear()

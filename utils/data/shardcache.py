@@ -50,6 +50,7 @@ class ShardCache:
     def __init__(self, folder: Path, budget: int | None) -> None:
         self.folder, self.budget = folder, budget
         self._pid: int | None = None  # the process the copier below belongs to (a forked worker makes its own)
+        self._told_full = False  # said once per process that copies stopped for room
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned loader worker starts with no copies of its own
         return {"folder": self.folder, "budget": self.budget}
@@ -64,7 +65,7 @@ class ShardCache:
         if path.is_file():
             return path
         if self._pid != os.getpid():  # first use in this process: a fork's copy of the parent's queue is no use
-            self._pid, self._queued, self._queue = os.getpid(), set(), queue.Queue()
+            self._pid, self._queued, self._queue, self._told_full = os.getpid(), set(), queue.Queue(), False
             threading.Thread(target=self._copier, daemon=True).start()
         if url not in self._queued:  # only this process's reading thread queues
             self._queued.add(url)
@@ -93,7 +94,10 @@ class ShardCache:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     return  # another process of this node is copying it
-                if path.is_file() or not self._room(nbytes or 0):
+                if path.is_file():
+                    return
+                if not self._room(nbytes or 0):
+                    self._tell_full()
                     return
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
                 try:
@@ -105,6 +109,15 @@ class ShardCache:
                     tmp.unlink(missing_ok=True)
         except Exception as e:  # the reads go on by range, which retry and report what is wrong
             LOGGER.debug(f"{url}: no local copy ({type(e).__name__}: {e})")
+
+    def _tell_full(self) -> None:
+        """One line per process when a copy does not fit: the reads of that shard stay byte-range requests."""
+        if not self._told_full:
+            self._told_full = True
+            limit = f"{BUDGET_ENV}={os.environ.get(BUDGET_ENV)}" if self.budget is not None else (
+                "the disk's reserve (a tenth of its size, at least 1 GiB, kept free)")
+            LOGGER.info(f"{self.folder}: no room for more shard copies under {limit}; "
+                        f"the shards not copied are read from the store by range")
 
     def _room(self, nbytes: int) -> bool:
         """Whether a copy of ``nbytes`` fits the budget (or leaves the disk its reserve)."""
