@@ -8,6 +8,7 @@ generator seeded by ``(seed, split, index)``: the bytes never depend on order or
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -240,8 +241,16 @@ def generate_shapes(root: Path, seed: int = 0, n_train: int = 1000, n_val: int =
     if root.exists() and _read_marker(root) is None and any(root.iterdir()):
         raise UserError(f"{root}: exists and was not made by the shapes generator; "
                         "remove it or point the data yaml's 'path' elsewhere")
-    LOGGER.info(f"Generating the synthetic shapes dataset in {root} ({n_train} train + {n_val} val images)...")
     root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:  # nodes sharing the folder generate one at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _read_marker(root) != params:  # a process that held the lock first may have made it meanwhile
+            _generate(root, params, seed, n_train, n_val, img_size)
+
+
+def _generate(root: Path, params: dict, seed: int, n_train: int, n_val: int, img_size: int) -> None:
+    """Write the set into a hidden sibling folder and swap it in; the caller holds the lock."""
+    LOGGER.info(f"Generating the synthetic shapes dataset in {root} ({n_train} train + {n_val} val images)...")
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
