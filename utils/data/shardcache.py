@@ -50,7 +50,6 @@ class ShardCache:
     def __init__(self, folder: Path, budget: int | None) -> None:
         self.folder, self.budget = folder, budget
         self._pid: int | None = None  # the process the copier below belongs to (a forked worker makes its own)
-        self._told_full = False  # said once per process that copies stopped for room
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned loader worker starts with no copies of its own
         return {"folder": self.folder, "budget": self.budget}
@@ -65,6 +64,7 @@ class ShardCache:
         if path.is_file():
             return path
         if self._pid != os.getpid():  # first use in this process: a fork's copy of the parent's queue is no use
+            # (nor its word that copies stopped for room: each process says so once)
             self._pid, self._queued, self._queue, self._told_full = os.getpid(), set(), queue.Queue(), False
             threading.Thread(target=self._copier, daemon=True).start()
         if url not in self._queued:  # only this process's reading thread queues
