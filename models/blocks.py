@@ -54,7 +54,22 @@ class Conv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bn is None:  # folded by fuse_bn()
             return self.forward_fuse(x)
-        return self._activate(self.bn(self.conv(x)))
+        return self._activate(self._normalise(self.conv(x)))
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """BatchNorm, as ``self.bn(x)`` computes it, without its ``num_batches_tracked`` counter.
+
+        The counter only matters for a cumulative average (momentum None); with a fixed momentum it is
+        read by nothing, yet adding 1 to it is a kernel launch per layer and training step, which on a GPU
+        host with slow cores is a measurable part of a step. Other norms (SyncBatchNorm) keep their own
+        forward."""
+        bn = self.bn
+        if type(bn) is not nn.BatchNorm2d or bn.momentum is None:
+            return bn(x)
+        training = bn.training or bn.running_mean is None
+        return F.batch_norm(x, bn.running_mean if not bn.training or bn.track_running_stats else None,
+                            bn.running_var if not bn.training or bn.track_running_stats else None,
+                            bn.weight, bn.bias, training, bn.momentum, bn.eps)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The activation; out of place while autograd records it.

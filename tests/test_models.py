@@ -127,6 +127,28 @@ def test_building_leaves_batchnorm_statistics_untouched(yolov5n: Model) -> None:
         assert torch.all(bn.running_mean == 0) and torch.all(bn.running_var == 1)
 
 
+def test_conv_normalises_as_its_batchnorm_without_the_counter() -> None:
+    """Conv's BatchNorm gives the values, gradients and running statistics of calling the module, bit for bit,
+    in training and in eval; only the counter nothing reads (momentum is fixed) stays where it was."""
+    torch.manual_seed(0)
+    ours = Conv(3, 8, 3)
+    reference = copy.deepcopy(ours)
+    x = torch.randn(4, 3, 16, 16)
+    for train in (True, True, False):
+        ours.train(train), reference.train(train)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a = ours(xa)
+        b = reference.act(reference.bn(reference.conv(xb)))
+        assert torch.equal(a, b)
+        a.square().sum().backward(), b.square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        assert torch.equal(ours.bn.weight.grad, reference.bn.weight.grad)
+        assert torch.equal(ours.bn.running_mean, reference.bn.running_mean)
+        assert torch.equal(ours.bn.running_var, reference.bn.running_var)
+        x = x * 1.5 + 0.25
+    assert int(reference.bn.num_batches_tracked) == 2 and int(ours.bn.num_batches_tracked) == 0
+
+
 def test_detect_bias_priors() -> None:
     det = Model(MODELS / "yolov5n.yaml", nc=5).detect
     for conv, s in zip(det.m, (8, 16, 32)):
