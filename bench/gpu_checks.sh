@@ -7,15 +7,16 @@
 # 1. bench/gpu_train.py, yolov8n at 640, batch 64: ours as a CUDA run trains by default (the GPU draws
 #    the augmentation, the loader's batch buffers page-locked in place, one AdamW step per batch) beside
 #    Ultralytics, at 8 and 4 loader workers: train img/s, data wait, validation img/s and where the
-#    validation time goes.
+#    validation time goes; the same with --cuda-graphs (the variant "graphs").
 # 2. bench/loader_speed.py at 640, batch 64, 4 and 8 workers: the loaders' rates, and the device path's
 #    batches delivered to the GPU with each batch pinned by copying and with the buffers locked in place.
 # 3. bench/train_speed.py at 640, batch 64 on the GPU: where a training step's time goes (torch profiler),
 #    and (host_profile) the training process's Python, where the host's slow cores spend a step (cProfile).
 # 4. bench/val_speed.py on stage 1's checkpoint: val.py end to end and where its time goes.
 # 5. micro_steps: bench/gpu_train.py, ours alone at batch 64 on stage 1's data, one AdamW step per batch (a CUDA
-#    run's default) beside `--micro-steps 32` and `--micro-steps 16` (two and four steps per batch): what a
-#    step costs by its images, so what the more accurate choices cost a GPU.
+#    run's default) beside `--micro-steps 16` (four steps per batch; 8 on the CPU smoke run), each
+#    also with --cuda-graphs: what a step costs by its images, so what the more accurate choices cost a GPU,
+#    eager and graphed.
 # 6. pytest -m cuda (the GPU twins of the CPU tests; one GPU), each test at most TEST_EACH seconds where
 #    pytest-timeout is installed.
 # STAGES picks and orders them (default: all, as above); stages 2-5 read stage 1's data (4: its run).
@@ -35,10 +36,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
   VAL=(--device cpu --imgsz 64 --batch-size 16); LOADER_WORKERS=(0 2)
   STEP=(--device cpu --imgsz 64 --batch-size 8 --warmup 1 --steps 2 --workers 0)
   MICRO=(--device cpu --imgsz 64 --batch-size 8 --steps 3 --warmup 1 --n-val 8 --epochs 1 --workers 2); PARTS=(8)
+  GRAPHS=()  # --cuda-graphs needs CUDA: the smoke run leaves its variants out
 else
   SIZE=(--epochs 2 --steps 30); LOADER_SIZE=(--imgsz 640 --batch 64); VAL=(--device 0 --imgsz 640 --batch-size 128)
   LOADER_WORKERS=(4 8); STEP=(--device 0 --imgsz 640 --batch-size 64 --warmup 5 --steps 15 --workers 8)
-  MICRO=(--batch-size 64 --epochs 2 --steps 12 --warmup 3 --workers 8); PARTS=(32 16)
+  MICRO=(--batch-size 64 --epochs 2 --steps 12 --warmup 3 --workers 8); PARTS=(16)
+  GRAPHS=(--ours-variant "graphs=--augment-on device --cuda-graphs")
 fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/mpl} YOLO_CONFIG_DIR=${YOLO_CONFIG_DIR:-/tmp/yolo_cfg}
@@ -63,7 +66,7 @@ run_stage() {
   gpu_train)
     rm -rf /tmp/gpu_checks
     stage gpu_train "${TRAIN_SECONDS:-280}" "$PY" bench/gpu_train.py "${who[@]}" --models yolov8n "${SIZE[@]}" \
-      --workers 8 4 --ours-variant device="--augment-on device" \
+      --workers 8 4 --ours-variant device="--augment-on device" "${GRAPHS[@]}" \
       --photo-cache /nonexistent --workdir /tmp/gpu_checks --keep --json "$OUT/gpu_train.json" ;;
   loader)
     stage loader "${LOADER_SECONDS:-120}" "$PY" bench/loader_speed.py --data /tmp/gpu_checks/source/shapes.yaml \
@@ -81,9 +84,13 @@ run_stage() {
       --data "$W/data/data.yaml" "${VAL[@]}" --workers 8 --runs 2 --noplots ;;
   micro_steps)
     parts=()
-    for n in "${PARTS[@]}"; do parts+=(--ours-variant "steps$n=--micro-steps $n"); done
+    for n in "${PARTS[@]}"; do
+      parts+=(--ours-variant "steps$n=--micro-steps $n")
+      [ ${#GRAPHS[@]} -gt 0 ] && parts+=(--ours-variant "graphs$n=--micro-steps $n --cuda-graphs")
+    done
     stage micro_steps "${MICRO_SECONDS:-240}" "$PY" bench/gpu_train.py --only ours --models yolov8n "${MICRO[@]}" \
-      --data /tmp/gpu_checks/source/shapes.yaml --ours-variant one-step= "${parts[@]}" \
+      --data /tmp/gpu_checks/source/shapes.yaml --ours-variant one-step= \
+      ${GRAPHS:+--ours-variant "graphs=--cuda-graphs"} "${parts[@]}" \
       --workdir /tmp/gpu_checks_micro --json "$OUT/micro_steps.json" ;;
   cuda_tests)
     each=()

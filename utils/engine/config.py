@@ -19,6 +19,7 @@ from utils.core import dist, precision
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
 from utils.core.errors import UserError
+from utils.engine.graphs import graphs_problem
 from utils.core.fileio import ROOT
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
@@ -38,7 +39,7 @@ DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run
 # operations (inductor fuses kernels), so a resume that switches it is exact in maths, not in bits.
 RESUME_HARMLESS = {"device", "augment_on", "workers", "epochs", "time", "nan_recover", "hang_timeout", "patience", "cache", "cache_dir",
                    "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
-                   "compile", "tensorboard", "mlflow"}
+                   "compile", "cuda_graphs", "tensorboard", "mlflow"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir",
                       "sized_for"}
 DEMO_DATA = ROOT / "data" / "shapes.yaml"  # train.py's --data default: the built-in set
@@ -168,6 +169,9 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
     utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
+    problem = args.cuda_graphs and graphs_problem(device, info.world_size, args.compile, args.rect, args.multi_scale)
+    if problem:
+        raise UserError(problem)
     model = None if saved else resume.fresh_model()
     hyp = args.hyp if saved or args.hyp else str(model.recipe.hyp)  # the family's loss-gain scale
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)

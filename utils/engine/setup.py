@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from models.heads.base import Criterion
 from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
 from utils.core import dist, precision
 from utils.core.dist import DistInfo
+from utils.core.errors import UserError
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
@@ -26,6 +28,7 @@ from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
+from utils.engine.graphs import GraphedForward, accumulation_problem
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     StepPlan, accumulate_steps, smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
@@ -54,6 +57,7 @@ class Training:
     lr: LRSchedule  # the one writer of the optimizer's learning rates
     scaler: torch.amp.GradScaler
     criterion: Criterion
+    run_model: Callable[[torch.Tensor], Any]  # the training forward: the model, or its CUDA graphs (--cuda-graphs)
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
     imgsz: int
@@ -85,8 +89,10 @@ class Training:
         return self.amp
 
     def autocast(self) -> torch.autocast:
-        """The forward and loss precision of --amp (off: fp32)."""
-        return torch.autocast(self.device.type, dtype=precision.amp_dtype(self.device), enabled=self.amp)
+        """The forward and loss precision of --amp (off: fp32). CUDA graphs capture the casts themselves, so
+        autocast's cache of cast weights is off under --cuda-graphs (make_graphed_callables requires it)."""
+        return torch.autocast(self.device.type, dtype=precision.amp_dtype(self.device), enabled=self.amp,
+                              cache_enabled=not self.cfg.cuda_graphs)
 
     def checkpoint(self) -> dict:
         """The run state and the run's record, as a checkpoint file holds them (utils/engine/state.py)."""
@@ -121,6 +127,9 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
         cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size,
         step_images=micro_step_images(cfg.micro_steps))
     accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
+    problem = cfg.cuda_graphs and accumulation_problem(cfg.batch_size, accumulate, choice.nominal_batch)
+    if problem:
+        raise UserError(problem)
     steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     step_images = cfg.batch_size * accumulate / steps.per_batch
     decay = hyp.weight_decay * step_images / NOMINAL_BATCH  # the same decay per image at any step size
@@ -141,11 +150,12 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
         state.load_state_dict(saved.ckpt, restore_mosaic=bool(cfg.time))  # --time had moved close_mosaic
     model = wrap_model(model, cfg, info, device)
     state.model = model
+    run_model = GraphedForward(model) if cfg.cuda_graphs else model
     criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
                     model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
-                    criterion=criterion, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
+                    criterion=criterion, run_model=run_model, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
                     batch=batch, accumulate=accumulate, steps=steps, memory_format=memory_format, state=state)
 
 
