@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.dfl_loss import DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
-from models.heads.tal import TaskAlignedAssigner
+from models.heads.dfl_loss import AnchorGrid, DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
+from models.heads.tal import TaskAlignedAssigner, make_anchors
 from tests.conftest import ROOT
 from tests.test_tal import CASES, ref_assign, ref_ciou, ref_gts
 from utils.core.hyp import OPTIONAL_HYP, Hyp, load_hyp
@@ -368,3 +368,27 @@ def test_diverged_targets_give_a_nan_loss_not_an_index_error():
     logits = torch.zeros(3, REG_MAX)
     out = distribution_focal_loss(logits, torch.tensor([float("nan"), 2.5, float("inf")]))
     assert out[0].isnan() and out[1].isfinite() and not out[2].isfinite()
+
+
+def test_the_anchor_grid_is_kept_until_shapes_dtype_or_strides_change():
+    """A loss's anchors are made once per input size and kept, and made again for another size, dtype, or a
+    stride that set_strides wrote in place or that .to() replaced: always what make_anchors gives."""
+    grid, stride, cpu = AnchorGrid(), torch.tensor([8.0, 16.0]), torch.device("cpu")
+
+    def check(anchors, shapes, stride, dtype):
+        points, strides = make_anchors(shapes, stride.to(dtype))
+        assert torch.equal(anchors[0], points) and torch.equal(anchors[1], strides)
+        assert anchors[2].tolist() == [shapes[0][0] * stride[0].item(), shapes[0][1] * stride[0].item()]
+
+    small, large = [(4, 6), (2, 3)], [(8, 8), (4, 4)]
+    first = grid(small, stride, torch.float32, cpu)
+    check(first, small, stride, torch.float32)
+    assert grid(small, stride, torch.float32, cpu) is first  # kept
+    check(grid(large, stride, torch.float32, cpu), large, stride, torch.float32)
+    check(grid(large, stride, torch.float64, cpu), large, stride, torch.float64)
+    stride.copy_(torch.tensor([4.0, 8.0]))  # set_strides
+    check(grid(large, stride, torch.float64, cpu), large, stride, torch.float64)
+    other = stride.clone()  # a module's .to() puts a new tensor in its place
+    again = grid(large, other, torch.float64, cpu)
+    assert grid(large, other, torch.float64, cpu) is again
+    check(again, large, other, torch.float64)

@@ -88,6 +88,7 @@ class DFLLoss:
                  assigner: TaskAlignedAssigner | None = None) -> None:
         self.head, self.gains = head, gains
         self.assigner = assigner if assigner is not None else TaskAlignedAssigner()
+        self.grid = AnchorGrid()
 
     def set_progress(self, epoch: int, epochs: int) -> None:
         """The same loss at every epoch."""
@@ -99,7 +100,7 @@ class DFLLoss:
 
     def _loss(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(preds[0].dtype, torch.float32)
-        geo = anchor_geometry(preds, self.head.stride, targets, dtype)
+        geo = anchor_geometry(preds, self.head.stride, targets, dtype, self.grid)
         items = branch_items(preds, geo, self.assigner, self.head, self.gains, dtype)
         return (items.sum() * preds[0].shape[0]).reshape(1), items.detach()
 
@@ -114,14 +115,36 @@ class Geometry(NamedTuple):
     gt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pad_targets' labels, boxes (pixels), mask
 
 
+class AnchorGrid:
+    """A loss's anchors for its outputs' shapes, kept while the shapes, dtype, device and the head's stride tensor
+    stay the same: a run at one input size has the same anchors at every step, and making them is some twenty
+    kernel launches a step on a GPU. The stride is recognised by identity and in-place version (no device read),
+    so ``set_strides`` and ``.to(device)`` are seen."""
+
+    def __init__(self) -> None:
+        self._stride: torch.Tensor | None = None  # held, so its identity cannot pass to another tensor
+        self._key: tuple = ()
+        self._anchors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, shapes: list[tuple[int, int]], stride: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(points (A, 2) and strides (A, 1) as make_anchors gives them, the input's (height, width) in pixels)."""
+        key = (tuple(shapes), dtype, device, stride._version)
+        if self._anchors is None or stride is not self._stride or key != self._key:
+            scaled = stride.to(device=device, dtype=dtype)
+            points, strides = make_anchors(shapes, scaled)  # grid units
+            image_hw = torch.stack((shapes[0][0] * scaled[0], shapes[0][1] * scaled[0]))
+            self._stride, self._key, self._anchors = stride, key, (points, strides, image_hw)
+        return self._anchors
+
+
 def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, targets: torch.Tensor,
-                    dtype: torch.dtype) -> Geometry:
-    """Anchors of the levels' shapes and the batch's GTs padded per image, on the outputs' device."""
+                    dtype: torch.dtype, grid: AnchorGrid | None = None) -> Geometry:
+    """Anchors of the levels' shapes (from ``grid`` when given) and the batch's GTs padded per image, on the
+    outputs' device."""
     device, bs = preds[0].device, preds[0].shape[0]
     shapes = [(p.shape[2], p.shape[3]) for p in preds]
-    stride = stride.to(device=device, dtype=dtype)
-    points, strides = make_anchors(shapes, stride)  # grid units
-    image_hw = torch.stack((shapes[0][0] * stride[0], shapes[0][1] * stride[0]))
+    points, strides, image_hw = (grid or AnchorGrid())(shapes, stride, dtype, device)
     gt = pad_targets(targets.to(dtype=dtype), bs, image_hw)
     return Geometry(points, strides, image_hw.flip(0).repeat(2), gt)
 

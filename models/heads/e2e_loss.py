@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from models.heads.dfl_loss import DFLLossGains, Geometry, anchor_geometry, branch_items
+from models.heads.dfl_loss import AnchorGrid, DFLLossGains, Geometry, anchor_geometry, branch_items
 from models.heads.tal import TaskAlignedAssigner
 
 O2M_TOPK = 10  # one-to-many positives per GT
@@ -93,6 +93,7 @@ class E2ELoss:
         self.one2many = TaskAlignedAssigner(topk=O2M_TOPK, min_side=side)
         self.one2one = TaskAlignedAssigner(topk=O2O_TOPK, topk2=O2O_TOPK2, min_side=side)
         self.o2m, self.o2o = prog_weights(0, 1)
+        self.grid = AnchorGrid()
 
     def set_progress(self, epoch: int, epochs: int) -> None:
         """Called at every epoch's start: ProgLoss's weights for that epoch (``prog_weights``)."""
@@ -119,7 +120,7 @@ class E2ELoss:
 
     def geometry(self, preds: list[torch.Tensor], targets: torch.Tensor, dtype: torch.dtype) -> Geometry:
         """Anchors and padded GTs, computed once per call for both branches (dfl_loss.anchor_geometry)."""
-        return anchor_geometry(preds, self.head.stride, targets, dtype)
+        return anchor_geometry(preds, self.head.stride, targets, dtype, self.grid)
 
     def branch(self, preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner,
                dtype: torch.dtype) -> torch.Tensor:

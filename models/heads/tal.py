@@ -74,8 +74,8 @@ def xywh2xyxy(xywh: torch.Tensor) -> torch.Tensor:
 def aspect_angle(box: torch.Tensor, eps: float = CIOU_EPS) -> torch.Tensor:
     """atan(w / (h + eps)) of xyxy boxes, as ``bbox_ciou`` computes it: computed once on each side's own
     (unbroadcast) boxes, so a CIoU evaluated in slices gets bit-identical aspect terms."""
-    x1, y1, x2, y2 = box.unbind(-1)
-    return torch.atan((x2 - x1) / (y2 - y1 + eps))
+    wh = box[..., 2:] - box[..., :2]
+    return torch.atan(wh[..., 0] / (wh[..., 1] + eps))
 
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS,
@@ -87,19 +87,19 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS,
     The eps added to heights keeps atan(w / h) finite for a zero-height box. ``angles``: both
     boxes' ``aspect_angle``, when the caller computed them already.
     """
-    b1x1, b1y1, b1x2, b1y2 = box1.unbind(-1)
-    b2x1, b2y1, b2x2, b2y2 = box2.unbind(-1)
-    w1, h1 = b1x2 - b1x1, b1y2 - b1y1 + eps
-    w2, h2 = b2x2 - b2x1, b2y2 - b2y1 + eps
-    inter = (torch.minimum(b1x2, b2x2) - torch.maximum(b1x1, b2x1)).clamp(min=0) * (
-        torch.minimum(b1y2, b2y2) - torch.maximum(b1y1, b2y1)
-    ).clamp(min=0)
+    # x and y go through each step as one pair (the last dim of 2), so a step is one kernel, not two; each
+    # element's arithmetic, and its order, is the per-coordinate formula's
+    lt1, rb1, lt2, rb2 = box1[..., :2], box1[..., 2:], box2[..., :2], box2[..., 2:]
+    wh1, wh2 = rb1 - lt1, rb2 - lt2
+    w1, h1, w2, h2 = wh1[..., 0], wh1[..., 1] + eps, wh2[..., 0], wh2[..., 1] + eps
+    overlap = (torch.minimum(rb1, rb2) - torch.maximum(lt1, lt2)).clamp(min=0)
+    inter = overlap[..., 0] * overlap[..., 1]
     union = w1 * h1 + w2 * h2 - inter + eps
     iou = inter / union
-    cw = torch.maximum(b1x2, b2x2) - torch.minimum(b1x1, b2x1)
-    ch = torch.maximum(b1y2, b2y2) - torch.minimum(b1y1, b2y1)
-    c2 = cw.pow(2) + ch.pow(2) + eps
-    rho2 = ((b2x1 + b2x2 - b1x1 - b1x2).pow(2) + (b2y1 + b2y2 - b1y1 - b1y2).pow(2)) / 4
+    enclosing = (torch.maximum(rb1, rb2) - torch.minimum(lt1, lt2)).pow(2)
+    c2 = enclosing[..., 0] + enclosing[..., 1] + eps
+    centres = (lt2 + rb2 - lt1 - rb1).pow(2)
+    rho2 = (centres[..., 0] + centres[..., 1]) / 4
     a1, a2 = angles if angles is not None else (torch.atan(w1 / h1), torch.atan(w2 / h2))
     v = (4 / math.pi**2) * (a2 - a1).pow(2)
     with torch.no_grad():
