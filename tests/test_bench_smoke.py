@@ -34,7 +34,7 @@ from tests.conftest import ROOT, run_env
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
-           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "storage_speed", "train_speed",
+           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "step_launches", "storage_speed", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
@@ -336,6 +336,31 @@ def test_ultralytics_loader_measures_rates_stages_and_decodes(tiny_abs, tmp_path
     assert _line(out, r"simulated decodes per sample, epochs 1\.\.1: W=0: \S+, W=1: \S+")
     assert not list((tiny_abs.parent / "shapes" / "labels").glob("*.cache")), "it must mirror the split, not write " \
                                                                               "Ultralytics' label cache into it"
+
+
+# ---------------------------------------------------------------------------------------------- step_launches
+def _launch_rows(text: str, model: str, tools: int) -> dict[str, list[int]]:
+    rows = {}
+    for phase in ("forward", "loss", "backward", "optimizer", "total"):
+        m = _line(text, rf"{model}\s+{phase}\s+" + r"\s+".join([r"(\d+)"] * tools))
+        rows[phase] = [int(v) for v in m.groups()]
+    return rows
+
+
+def test_step_launches_counts_every_phase_of_a_step(tmp_path):
+    p = _bench("step_launches", "--models", "yolov8n", "--batch", 2, "--json", tmp_path / "l.json")
+    rows = _launch_rows(p.stdout, "yolov8n", 1)
+    assert all(rows[phase][0] > 0 for phase in rows)
+    assert rows["total"][0] == sum(rows[phase][0] for phase in ("forward", "loss", "backward", "optimizer"))
+    assert json.loads((tmp_path / "l.json").read_text())["results"]["ours"]["yolov8n"]["loss"]["launches"] == \
+        rows["loss"][0]
+
+
+@needs_ultralytics
+def test_step_launches_beside_ultralytics():
+    p = _bench("step_launches", "--models", "yolov8n", "--batch", 2, "--ultralytics-python", ULTRALYTICS_PYTHON)
+    rows = _launch_rows(p.stdout, "yolov8n", 2)
+    assert all(ours > 0 and theirs > 0 for ours, theirs in rows.values())
 
 
 # ---------------------------------------------------------------------------------------------- train_speed
