@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
+from utils.data import shapes
 from utils.data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
 from utils.core.errors import UserError
 
@@ -99,3 +101,33 @@ def test_refuses_foreign_folder_and_bad_args(tmp_path):
     assert (root / "precious.txt").read_text() == "user data"
     with pytest.raises(UserError, match="n_train"):
         generate_shapes(tmp_path / "x", n_train=0)
+
+
+def test_a_second_generator_of_one_folder_waits_and_keeps_the_first_ones_set(tmp_path, monkeypatch):
+    """Two nodes generating into one shared folder at once: the second waits for the first (the lock beside the
+    folder), then finds the finished set and leaves it in place; it never writes a set of its own, which would
+    move the first one's aside while that node's ranks list it."""
+    entered, release, writes = threading.Event(), threading.Event(), []
+    real_write = shapes._write_one
+
+    def held_write(*args):  # the first generator stays mid-set until the test lets it go
+        writes.append(args[3:5])
+        entered.set()
+        assert release.wait(30)
+        real_write(*args)
+
+    monkeypatch.setattr(shapes, "_write_one", held_write)
+    root, size = tmp_path / "shapes", dict(seed=3, n_train=3, n_val=2, img_size=64)
+    first = threading.Thread(target=generate_shapes, args=(root,), kwargs=size)
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=generate_shapes, args=(root,), kwargs=size)
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and not root.exists()  # waiting on the lock; the first set is not in place yet
+    release.set()
+    first.join(30), second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert len(writes) == 5  # one set's images: the second generator wrote none
+    assert len(list((root / "images" / "train").glob("*.jpg"))) == 3
+    assert len(list((root / "images" / "val").glob("*.jpg"))) == 2
