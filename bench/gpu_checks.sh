@@ -11,7 +11,8 @@
 # 2. bench/loader_speed.py at 640, batch 64, 4 and 8 workers: the loaders' rates, and the device path's
 #    batches delivered to the GPU with each batch pinned by copying and with the buffers locked in place.
 # 3. bench/train_speed.py at 640, batch 64 on the GPU: where a training step's time goes (torch profiler),
-#    and (host_profile) the training process's Python, where the host's slow cores spend a step (cProfile).
+#    and (host_profile) the training process's Python, where the host's slow cores spend a step (cProfile);
+#    graphs_profile: the same with --cuda-graphs (CUDA only).
 # 4. bench/val_speed.py on stage 1's checkpoint: val.py end to end and where its time goes.
 # 5. micro_steps: bench/gpu_train.py, ours alone at batch 64 on stage 1's data, one AdamW step per batch (a CUDA
 #    run's default) beside `--micro-steps 16` (four steps per batch; 8 on the CPU smoke run), each
@@ -22,9 +23,9 @@
 # STAGES picks and orders them (default: all, as above); stages 2-5 read stage 1's data (4: its run).
 # Without ULTRALYTICS_PYTHON stage 1 runs ours alone. The limits, in seconds: TRAIN_SECONDS (280),
 # LOADER_SECONDS (120), STEP_SECONDS (90), HOST_SECONDS (60), VAL_SECONDS (60), MICRO_SECONDS (240), TEST_SECONDS (200),
-# TEST_EACH (200). On an H100 host stages 1-4 took about 5 minutes and the cuda tests need over 4: one
-# device call holds at most 10, so a 15-minute loan runs STAGES="gpu_train loader train_speed micro_steps
-# host_profile val_speed" and then STAGES=cuda_tests, each call starting its host (about 45 s).
+# TEST_EACH (200). On an H100 host gpu_train, micro_steps, host_profile and val_speed took 7.5 minutes and
+# the cuda tests need over 5: one device call holds at most 10, so a 15-minute loan runs
+# STAGES="gpu_train micro_steps graphs_profile" in one call and STAGES=cuda_tests in the next, on the warm host.
 # The data is the built-in shapes generator at 640 px (never the photo set), made by stage 1.
 # SMOKE=1 runs the same stages on the CPU at toy sizes (figures meaningless): check the script before a loan.
 set -u
@@ -78,6 +79,9 @@ run_stage() {
   host_profile)
     stage host_profile "${HOST_SECONDS:-60}" "$PY" bench/train_speed.py --models yolov8n "${STEP[@]}" \
       --data /tmp/gpu_checks/source/shapes.yaml --profile cprofile --profile-rows 40 ;;
+  graphs_profile)
+    stage graphs_profile "${HOST_SECONDS:-60}" "$PY" bench/train_speed.py --models yolov8n "${STEP[@]}" --cuda-graphs \
+      --data /tmp/gpu_checks/source/shapes.yaml --profile cprofile --profile-rows 40 ;;
   val_speed)
     W=$(ls -d /tmp/gpu_checks/yolov8n/workers*/device | head -1)  # stage 1's run
     stage val_speed "${VAL_SECONDS:-60}" "$PY" bench/val_speed.py --weights "$W/runs/train/weights/last.pt" \
@@ -100,4 +104,6 @@ run_stage() {
   *) echo "unknown stage $1" ;;
   esac
 }
-for name in ${STAGES:-gpu_train loader train_speed host_profile val_speed micro_steps cuda_tests}; do run_stage "$name"; done
+for name in ${STAGES:-gpu_train loader train_speed host_profile graphs_profile val_speed micro_steps cuda_tests}; do
+  run_stage "$name"
+done

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed precision, as train.py's flag (default: train.py's for the device)")
     p.add_argument("--both-precisions", action="store_true",
                    help="time every configuration in fp32 and then with --amp, back to back, and print the speed-up")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="train.py's --cuda-graphs: the model's forward and backward replayed as CUDA graphs")
     p.add_argument("--ddp-no-sync", action="store_true",
                    help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
                         "train.py does today; same math, different float summation order)")
@@ -229,6 +231,7 @@ def train_opt(size: str, imgsz: int, opt: argparse.Namespace, project: str) -> a
     argv += ["--hyp", opt.hyp] if opt.hyp else []
     argv += [] if opt.channels_last is None else ["--channels-last" if opt.channels_last else "--no-channels-last"]
     argv += [] if opt.amp is None else ["--amp" if opt.amp else "--no-amp"]
+    argv += ["--cuda-graphs"] if opt.cuda_graphs else []
     return train.build_parser().parse_args(argv)
 
 
@@ -264,6 +267,8 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     device, info, model = t.device, t.info, t.model
     world = info.world_size
     accumulate = opt.accumulate or t.accumulate
+    if opt.cuda_graphs and accumulate > 1:
+        sys.exit("--cuda-graphs needs an optimizer step after every batch: leave out --accumulate")
     # whole accumulation cycles, so the timed window holds its fair share of optimizer steps
     warmup_steps, steps = (-(-n // accumulate) * accumulate for n in (opt.warmup, opt.steps))
     gflops = t.model_info.gflops * (t.imgsz / t.cfg.imgsz) ** 2  # forward, per image (thop), at the size trained
@@ -291,7 +296,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
         skip_sync = opt.ddp_no_sync and world > 1 and not step_now
         with model.no_sync() if skip_sync else contextlib.nullcontext():
             with t.autocast():
-                pred = model(imgs)
+                pred = t.run_model(imgs)  # the model, or its CUDA graphs (--cuda-graphs)
                 sync()
                 t3 = time.perf_counter()
                 loss, loss_items = t.criterion(pred, batch.targets)
