@@ -61,15 +61,13 @@ class Conv(nn.Module):
 
         The counter only matters for a cumulative average (momentum None); with a fixed momentum it is
         read by nothing, yet adding 1 to it is a kernel launch per layer and training step, which on a GPU
-        host with slow cores is a measurable part of a step. Other norms (SyncBatchNorm) keep their own
-        forward."""
+        host with slow cores is a measurable part of a step. Outside training (which never counts) the module
+        is called, so tools that see modules, such as thop's FLOP count, see it; other norms (SyncBatchNorm)
+        keep their own forward."""
         bn = self.bn
-        if type(bn) is not nn.BatchNorm2d or bn.momentum is None:
+        if not bn.training or type(bn) is not nn.BatchNorm2d or bn.momentum is None:
             return bn(x)
-        training = bn.training or bn.running_mean is None
-        return F.batch_norm(x, bn.running_mean if not bn.training or bn.track_running_stats else None,
-                            bn.running_var if not bn.training or bn.track_running_stats else None,
-                            bn.weight, bn.bias, training, bn.momentum, bn.eps)
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The activation; out of place while autograd records it.
