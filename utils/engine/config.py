@@ -19,13 +19,13 @@ from utils.core import dist, precision
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
 from utils.core.errors import UserError
-from utils.engine.graphs import graphs_problem
 from utils.core.fileio import ROOT
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
 from utils.data.config import load_data_config
 from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
+from utils.engine.graphs import graphs_problem
 from utils.engine.optim import SHORT_RUN_BATCH
 from utils.engine.recipe import Recipe, recipe_for
 from utils.engine.state import SavedRun
