@@ -379,6 +379,7 @@ def test_the_anchor_grid_is_kept_until_shapes_dtype_or_strides_change():
         points, strides = make_anchors(shapes, stride.to(dtype))
         assert torch.equal(anchors[0], points) and torch.equal(anchors[1], strides)
         assert anchors[2].tolist() == [shapes[0][0] * stride[0].item(), shapes[0][1] * stride[0].item()]
+        assert anchors[3].tolist() == anchors[2].flip(0).repeat(2).tolist()  # (w, h, w, h)
 
     small, large = [(4, 6), (2, 3)], [(8, 8), (4, 4)]
     first = grid(small, stride, torch.float32, cpu)

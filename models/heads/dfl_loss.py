@@ -124,17 +124,19 @@ class AnchorGrid:
     def __init__(self) -> None:
         self._stride: torch.Tensor | None = None  # held, so its identity cannot pass to another tensor
         self._key: tuple = ()
-        self._anchors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._anchors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, shapes: list[tuple[int, int]], stride: torch.Tensor, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(points (A, 2) and strides (A, 1) as make_anchors gives them, the input's (height, width) in pixels)."""
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(points (A, 2) and strides (A, 1) as make_anchors gives them, the input's (height, width) and (width,
+        height, width, height) in pixels)."""
         key = (tuple(shapes), dtype, device, stride._version)
         if self._anchors is None or stride is not self._stride or key != self._key:
             scaled = stride.to(device=device, dtype=dtype)
             points, strides = make_anchors(shapes, scaled)  # grid units
             image_hw = torch.stack((shapes[0][0] * scaled[0], shapes[0][1] * scaled[0]))
-            self._stride, self._key, self._anchors = stride, key, (points, strides, image_hw)
+            self._stride, self._key = stride, key
+            self._anchors = (points, strides, image_hw, image_hw.flip(0).repeat(2))
         return self._anchors
 
 
@@ -144,9 +146,9 @@ def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, targets: to
     outputs' device."""
     device, bs = preds[0].device, preds[0].shape[0]
     shapes = [(p.shape[2], p.shape[3]) for p in preds]
-    points, strides, image_hw = (grid or AnchorGrid())(shapes, stride, dtype, device)
+    points, strides, image_hw, image_whwh = (grid or AnchorGrid())(shapes, stride, dtype, device)
     gt = pad_targets(targets.to(dtype=dtype), bs, image_hw)
-    return Geometry(points, strides, image_hw.flip(0).repeat(2), gt)
+    return Geometry(points, strides, image_whwh, gt)
 
 
 def branch_items(preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner, head: DistributionHead,

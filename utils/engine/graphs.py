@@ -66,9 +66,9 @@ class GraphedForward:
     def __call__(self, x: torch.Tensor) -> Any:
         if not self.model.training:
             return self.model(x)
-        if self.replay is None and self.signature is None:
-            self.signature = input_signature(x)
+        if self.signature is None:  # the first training batch: capture, then its signature is the graphs'
             self.replay = capture(self.model, x)
+            self.signature = input_signature(x)
         if input_signature(x) == self.signature:
             return self.replay(x)
         return self.model(x)
