@@ -70,6 +70,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -232,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--half", action="store_true",
                    help="our standalone val.py with --half (bf16 on CPU, as its validation in training under --amp)")
     p.add_argument("--only", choices=("ours", "ultralytics"), default=None, help="run one tool only (debugging)")
+    p.add_argument("--ours-args", type=shlex.split, default=[], metavar="FLAGS",
+                   help='extra train.py flags for ours, one shell-quoted string after an "=" '
+                        '(--ours-args="--cos-lr --micro-steps off"); printed in the report')
     return p
 
 
@@ -327,7 +331,7 @@ def train_args(tool: str, opt: argparse.Namespace, data_yaml: Path, project: Pat
             "--batch-size", str(opt.batch_size), "--val-batch-size", str(2 * opt.batch_size),
             "--epochs", str(opt.epochs), "--device", "cpu", "--workers", str(opt.workers),
             "--threads", str(opt.threads), "--seed", str(opt.seed), "--noplots", "--project", str(project),
-            "--name", "train", "--exist-ok"]
+            "--name", "train", "--exist-ok", *opt.ours_args]
 
 
 def val_args(tool: str, opt: argparse.Namespace, weights: Path, data_yaml: Path, project: Path) -> list[str]:
@@ -472,7 +476,7 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
     data = opt.data or "built-in shapes"
     lines = [f"{opt.model}, {data}: {any_['n_train']} train / {any_['n_val']} val images, {opt.imgsz}px, batch "
              f"{opt.batch_size}, {opt.epochs} epoch(s), seed {opt.seed}, {opt.threads} threads, CPU; "
-             f"best of {any_['rounds']} round(s)",
+             f"best of {any_['rounds']} round(s)" + (f"; ours with {shlex.join(opt.ours_args)}" if opt.ours_args else ""),
              f"{'':<31}{'ours':>12}{'ultralytics':>13}{'ratio':>9}", "-" * 65]
     for label, fmt, value, kind in _rows():
         a, b = (value(r) if r is not None else None for r in (o, u))

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, run_env
 
@@ -450,7 +451,7 @@ def _table(out: str, labels: list[str], width: int) -> dict[str, list[str]]:
 
 def _check_compare_ultralytics(out: str, peer: bool) -> None:
     assert _line(out, r"yolov8n, \S+: 8 train / 4 val images, 64px, batch 4, 1 epoch\(s\), seed 0, 1 threads, CPU; "
-                      r"best of 1 round\(s\)$")
+                      r"best of 1 round\(s\)(; ours with \S.*)?$")
     rows = _table(out, ULTRA_TIME_ROWS + ULTRA_OTHER_ROWS, 31)
     for label, cells in rows.items():
         ours = _finite(cells[0].replace(",", ""))[0]
@@ -480,10 +481,13 @@ def _check_compare_ultralytics(out: str, peer: bool) -> None:
 def test_compare_ultralytics_ours_only(tiny_data, tmp_path):
     # --ultralytics-python is required even with --only ours: any existing file does
     p = _bench("compare_ultralytics", "--ultralytics-python", sys.executable, "--only", "ours", "--data", tiny_data,
-               *ULTRA_ARGS, "--workdir", tmp_path / "work")
+               *ULTRA_ARGS, "--workdir", tmp_path / "work", "--ours-args=--cos-lr")
     _check_compare_ultralytics(p.stdout, peer=False)
     runs = json.loads((tmp_path / "work" / "results.json").read_text())
     assert list(runs) == ["ours"] and len(runs["ours"]) == 1 and runs["ours"][0]["n_train"] == 8
+    assert "; ours with --cos-lr" in p.stdout  # the extra flags reach train.py and the report says so
+    run_opt = yaml.safe_load((tmp_path / "work" / "ours" / "round0" / "runs" / "train" / "opt.yaml").read_text())
+    assert run_opt["cos_lr"] is True
 
 
 @pytest.mark.slow
