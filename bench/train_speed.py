@@ -35,7 +35,7 @@ Figures:
              slowest rank's, so a straggler counts.
   breakdown  mean ms per step of each phase: data (waiting for the loader), prep (images to
              the device, /255, memory format), forward, loss (targets to the device, target
-             building + loss), nan-check (the NaN flag on the device, and at each optimizer step
+             building + loss; under --cuda-graphs counted in forward), nan-check (the NaN flag on the device, and at each optimizer step
              check_step: one all-reduce of the flags and running loss, one host read), backward
              (includes DDP's gradient all-reduce),
              optim (unscale, clip, SGD step, zero_grad, EMA; amortised over accumulate steps).
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--both-precisions", action="store_true",
                    help="time every configuration in fp32 and then with --amp, back to back, and print the speed-up")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="train.py's --cuda-graphs: the model's forward and backward replayed as CUDA graphs")
+                   help="train.py's --cuda-graphs: the model's forward, loss and backward replayed as CUDA graphs")
     p.add_argument("--ddp-no-sync", action="store_true",
                    help="DDP: no gradient all-reduce on accumulation steps without an optimizer step (not what "
                         "train.py does today; same math, different float summation order)")
@@ -296,10 +296,14 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
         skip_sync = opt.ddp_no_sync and world > 1 and not step_now
         with model.no_sync() if skip_sync else contextlib.nullcontext():
             with t.autocast():
-                pred = t.run_model(imgs)  # the model, or its CUDA graphs (--cuda-graphs)
+                if opt.cuda_graphs:  # one replay of the model and (with packed targets) its loss: all of it "forward"
+                    loss, loss_items = t.step_loss(imgs, batch.targets)
+                else:
+                    pred = model(imgs)
                 sync()
                 t3 = time.perf_counter()
-                loss, loss_items = t.criterion(pred, batch.targets)
+                if not opt.cuda_graphs:
+                    loss, loss_items = t.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
             bad = ~torch.isfinite(loss_items).all()  # train.py's flag, on the device until the optimizer step

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.heads.dfl_loss import AnchorGrid, DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
-from models.heads.tal import TaskAlignedAssigner, make_anchors
+from models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets
 from tests.conftest import ROOT
 from tests.test_tal import CASES, ref_assign, ref_ciou, ref_gts
 from utils.core.hyp import OPTIONAL_HYP, Hyp, load_hyp
@@ -357,7 +357,7 @@ def test_loss_reads_nothing_back_from_the_device():
     preds = [p.detach().to("meta").requires_grad_() for p in head(feats)]
     head.to("meta")
     targets = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.5, 0.5, 0.6, 0.7], [1, 0, 0.05, 0.9, 0.1, 0.2]])
-    loss, items = DFLLoss(head, GAINS)._loss(preds, targets)  # _loss: autocast has no meta device
+    loss, items = DFLLoss(head, GAINS)._loss(preds, pack_targets(targets, 2, "meta"))  # _loss: no autocast on meta
     loss.backward()
     assert loss.device.type == items.device.type == preds[0].grad.device.type == "meta"
 

@@ -15,7 +15,7 @@ import torch
 
 from models.heads.dfl_loss import DFLLoss, DFLLossGains
 from models.heads.e2e_loss import E2ELoss, prog_weights, stal_side
-from models.heads.tal import TaskAlignedAssigner, make_anchors, pad_targets
+from models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets, pad_targets
 from tests.conftest import ROOT
 from tests.test_dfl_loss import raw_preds, ref_ciou_torch
 from tests.test_tal import CASES, ref_ciou, ref_gts, ref_points, random_predictions
@@ -277,7 +277,7 @@ def test_reported_items_are_the_one_to_one_branch_and_the_total_follows_progloss
         loss, items = criterion(preds, targets)
         assert torch.equal(items, only_one)
         o2m, o2o = prog_weights(epoch, epochs)
-        many = criterion.branch(preds["one2many"], criterion.geometry(preds["one2one"], targets, torch.float64),
+        many = criterion.branch(preds["one2many"], criterion.geometry(preds["one2one"], pack_targets(targets, 3, "cpu"), torch.float64),
                                 criterion.one2many, torch.float64)
         assert loss.item() == pytest.approx(3 * (o2m * many.sum().item() + o2o * items.sum().item()), rel=1e-12)
 
@@ -307,7 +307,7 @@ def test_with_dfl_bins_each_branch_is_the_dfl_loss():
     targets = CASES["random"](gen, NC)
     preds = raw_preds(gen, 3)
     criterion = E2ELoss(stand_in_head(reg_max=16), GAINS)
-    geo = criterion.geometry(preds, targets, torch.float64)
+    geo = criterion.geometry(preds, pack_targets(targets, 3, "cpu"), torch.float64)
     for assigner in (criterion.one2many, criterion.one2one):
         got = criterion.branch(preds, geo, assigner, torch.float64)
         _, want = DFLLoss(stand_in_head(reg_max=16), DFLLossGains(7.5, 0.5, 1.5), assigner)(preds, targets)
@@ -336,7 +336,7 @@ def test_loss_reads_nothing_back_from_the_device():
     head.stride = head.stride.to("meta")
     preds = {k: [p.detach().float().to("meta").requires_grad_() for p in v] for k, v in e2e_preds(gen, 2).items()}
     targets = torch.tensor([[0, 0, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.5, 0.5, 0.01, 0.02]])
-    loss, items = criterion._loss(preds, targets)  # _loss: autocast has no meta device
+    loss, items = criterion._loss(preds, pack_targets(targets, 2, "meta"))  # _loss: autocast has no meta device
     loss.backward()
     assert loss.device.type == items.device.type == preds["one2one"][0].grad.device.type == "meta"
 

@@ -1,5 +1,6 @@
-"""--cuda-graphs: the settings it refuses, with messages, on any machine; on a GPU (the ``cuda`` marker), graphed
-training steps that equal eager ones and a train.py run that captures, replays and saves."""
+"""--cuda-graphs: the settings it refuses, with messages, and the padded targets a captured loss takes, on any
+machine; on a GPU (the ``cuda`` marker), graphed training steps that equal eager ones and a train.py run that
+captures, replays and saves."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,9 @@ from models.yolo import Model
 from tests.conftest import ROOT, run_env
 from utils.core.hyp import Hyp
 from utils.engine.config import RESUME_HARMLESS
-from utils.engine.graphs import GraphedForward, accumulation_problem, graphs_problem
+from models.heads.base import PackedCriterion
+from models.heads.tal import pack_targets
+from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problem, slots_for
 from utils.engine.loop import optimizer_step
 from utils.engine.optim import ModelEMA
 from yolotrain.app import train
@@ -60,15 +63,59 @@ def _targets(batch: int, generator: torch.Generator) -> torch.Tensor:
                       torch.rand(n, 2, generator=generator) * 0.2 + 0.05], 1)
 
 
-def _steps(model, run_model, batches) -> list[float]:
-    """AdamW steps under fp16 autocast (its cast cache off, as --cuda-graphs runs) as the loop takes them."""
+def test_slots_grow_in_powers_of_two_from_the_minimum():
+    assert [slots_for(n) for n in (0, 1, MIN_SLOTS, MIN_SLOTS + 1, 100)] == [MIN_SLOTS, MIN_SLOTS, MIN_SLOTS,
+                                                                          2 * MIN_SLOTS, 128]
+
+
+@pytest.mark.parametrize("name", ["yolov8n", "yolo26n"])
+def test_padding_slots_change_no_loss_and_no_gradient(name):
+    """What the captured loss computes, targets packed into more slots than any image has labels, is the eager
+    loss bit for bit (assignment, loss, items and gradients); an image without labels included."""
+    torch.manual_seed(0)
+    model = Model(ROOT / "models" / f"{name}.yaml", nc=3).train()
     criterion = model.detect.build_criterion(Hyp(), 64)
+    assert isinstance(criterion, PackedCriterion)
+    g = torch.Generator().manual_seed(0)
+    images, targets = torch.rand(4, 3, 64, 64, generator=g), _targets(4, g)
+    targets = targets[targets[:, 0] != 3]  # the last image has none
+    results = []
+    for packed in (None, pack_targets(targets, 4, torch.device("cpu"), slots=MIN_SLOTS)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            preds = model(images)
+            loss, items = criterion(preds, targets) if packed is None else criterion.packed_loss(preds, packed)
+        loss.backward()
+        results.append((loss.detach(), items, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (a, ai, ag), (b, bi, bg) = results
+    assert torch.equal(a, b) and torch.equal(ai, bi) and len(ag) == len(bg) and all(map(torch.equal, ag, bg))
+
+
+def test_the_anchor_family_loss_is_not_captured():
+    """YOLOv5's loss builds its targets per batch on the host: the graphs hold that model alone."""
+    model = Model(ROOT / "models" / "yolov5n.yaml", nc=3)
+    assert not isinstance(model.detect.build_criterion(Hyp(), 64), PackedCriterion)
+
+
+def test_step_loss_without_graphs_is_the_model_then_the_loss():
+    torch.manual_seed(0)
+    model = Model(ROOT / "models" / "yolov8n.yaml", nc=3).train()
+    criterion = model.detect.build_criterion(Hyp(), 64)
+    g = torch.Generator().manual_seed(1)
+    images, targets = torch.rand(2, 3, 64, 64, generator=g), _targets(2, g)
+    loss, items = StepLoss(model, criterion)(images, targets)
+    want, want_items = criterion(model(images), targets)
+    assert torch.equal(loss, want) and torch.equal(items, want_items)
+
+
+def _steps(model, step_loss, batches) -> list[float]:
+    """AdamW steps under fp16 autocast (its cast cache off, as --cuda-graphs runs) as the loop takes them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler, ema = torch.amp.GradScaler("cuda"), ModelEMA(model)
     losses = []
     for imgs, targets in batches:
         with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-            loss, _ = criterion(run_model(imgs), targets)
+            loss, _ = step_loss(imgs, targets)
         scaler.scale(loss).backward()
         optimizer_step(model, optimizer, scaler, ema)
         losses.append(float(loss))
@@ -76,25 +123,32 @@ def _steps(model, run_model, batches) -> list[float]:
 
 
 @pytest.mark.cuda
-def test_graphed_steps_equal_eager_steps_on_cuda(monkeypatch):
+@pytest.mark.parametrize("name", ["yolov8n", "yolo26n", "yolov5n"])
+def test_graphed_steps_equal_eager_steps_on_cuda(name, monkeypatch):
     """Replayed graphs train what the eager module trains: the same losses, weights and BatchNorm statistics
-    after steps at the captured shape and one at another shape (eager), and the capture's warm-up leaves
-    no trace in the statistics."""
+    after steps at the captured shape, one with more labels in an image than the first capture's slots (captured
+    anew), and one at another shape (eager); the capture's warm-up leaves no trace in the statistics. yolov5n's
+    loss stays eager (its graphs hold the model alone)."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     torch.manual_seed(0)
-    eager = Model(ROOT / "models" / "yolov8n.yaml", nc=3).to(CUDA).train()
+    eager = Model(ROOT / "models" / f"{name}.yaml", nc=3).to(CUDA).train()
     graphed = copy.deepcopy(eager)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.rand(8, 3, 64, 64, generator=g).to(CUDA), _targets(8, g)) for _ in range(3)]
+    crowded = _targets(8, g).repeat(MIN_SLOTS, 1)  # image 0 holds more than MIN_SLOTS labels
+    crowded[:, 0] = 0
+    batches.insert(2, (torch.rand(8, 3, 64, 64, generator=g).to(CUDA), crowded))
     batches.append((torch.rand(5, 3, 64, 64, generator=g).to(CUDA), _targets(5, g)))  # another shape: eager
-    forward = GraphedForward(graphed)
-    a, b = _steps(eager, eager, batches), _steps(graphed, forward, batches)
-    assert forward.signature is not None and forward.signature[0] == (8, 3, 64, 64)
+    step = StepLoss(graphed, graphed.detect.build_criterion(Hyp(), 64), graphs=True)
+    a = _steps(eager, StepLoss(eager, eager.detect.build_criterion(Hyp(), 64)), batches)
+    b = _steps(graphed, step, batches)
+    assert step.signature is not None and step.signature[0] == (8, 3, 64, 64)
+    assert step.slots == (0 if name == "yolov5n" else slots_for(len(crowded)))
     assert "forward" not in vars(graphed)  # the module keeps its own forward: copies and eval stay eager
     assert a == pytest.approx(b, rel=1e-4)
-    for (name, x), y in zip(eager.state_dict().items(), graphed.state_dict().values()):
-        assert torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-5), name
+    for (key, x), y in zip(eager.state_dict().items(), graphed.state_dict().values()):
+        assert torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-5), key
 
 
 @pytest.mark.cuda
@@ -108,6 +162,7 @@ def test_an_epoch_with_cuda_graphs_captures_replays_and_saves(tiny_data, tmp_pat
         p = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
         shape = "(8, 3, 64, 64)" if extra else "(16, 3, 64, 64)"
-        assert f"--cuda-graphs: the training forward and backward captured for input {shape}" in p.stdout + p.stderr
+        assert (f"--cuda-graphs: the training forward, loss and backward captured for input {shape} and "
+                f"{MIN_SLOTS} target slots per image") in p.stdout + p.stderr
         ckpt = torch.load(tmp_path / name / "weights" / "last.pt", map_location="cpu", weights_only=True)
         assert all(v.isfinite().all() for v in ckpt["model"].values() if v.is_floating_point())

@@ -17,6 +17,7 @@ from models.blocks import DFL, Conv
 from models.blocks_v10 import CIB, PSA, C2fCIB, RepVGGDW, SCDown
 from models.heads.e2e import E2EDetect, V10Detect, V10Loss
 from models.heads.e2e_loss import E2ELoss
+from models.heads.tal import pack_targets
 from models.parse import load_model_yaml
 from models.registry import head_class
 from models.yolo import Model
@@ -110,7 +111,7 @@ def test_loss_uses_yolov10s_settings(s_model):
     preds = model(torch.rand(2, 3, 64, 64))
     targets = torch.tensor([[0, 1, 0.5, 0.5, 0.4, 0.3], [1, 3, 0.3, 0.6, 0.2, 0.5]])
     total, items = loss(preds, targets)
-    geo = loss.geometry(preds["one2one"], targets, torch.float32)
+    geo = loss.geometry(preds["one2one"], pack_targets(targets, 2, "cpu"), torch.float32)
     o2m = loss.branch(preds["one2many"], geo, loss.one2many, torch.float32).sum()
     o2o = loss.branch(preds["one2one"], geo, loss.one2one, torch.float32)
     assert torch.allclose(total, ((o2m + o2o.sum()) * 2).reshape(1))

@@ -16,7 +16,7 @@ A head is the model's last layer. It owns its maths:
 """
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -38,6 +38,16 @@ class Criterion(Protocol):
         (YOLO26's ProgLoss) sets them here, as a pure function of the two, so a resumed run repeats them."""
 
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class PackedCriterion(Criterion, Protocol):
+    """A loss that also takes its targets packed per image on the outputs' device (models/heads/tal.pack_targets):
+    then it does device work only, with no host sync and no shape that depends on the values, which is what a
+    CUDA graph can capture together with the model (utils/engine/graphs.py). ``criterion(preds, targets)`` is
+    ``packed_loss(preds, pack_targets(targets, ...))``, and extra padding slots change no loss."""
+
+    def packed_loss(self, preds: list[torch.Tensor], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def decode_outside_autocast(decode: Callable[[list[torch.Tensor]], torch.Tensor],

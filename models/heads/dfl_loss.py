@@ -16,7 +16,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pad_targets
+from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pack_targets, \
+    unpack_targets
 from utils.core.hyp import Hyp
 
 
@@ -94,13 +95,17 @@ class DFLLoss:
         """The same loss at every epoch."""
 
     def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        device = preds[0].device
-        with torch.autocast(device.type, enabled=False):
-            return self._loss(preds, targets)
+        return self.packed_loss(preds, pack_targets(targets, preds[0].shape[0], preds[0].device))
 
-    def _loss(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_loss(self, preds: list[torch.Tensor], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss of targets packed per image on the outputs' device (``tal.pack_targets``): device work
+        only, so a CUDA graph can capture it with the model (utils/engine/graphs.py)."""
+        with torch.autocast(preds[0].device.type, enabled=False):
+            return self._loss(preds, packed)
+
+    def _loss(self, preds: list[torch.Tensor], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(preds[0].dtype, torch.float32)
-        geo = anchor_geometry(preds, self.head.stride, targets, dtype, self.grid)
+        geo = anchor_geometry(preds, self.head.stride, packed, dtype, self.grid)
         items = branch_items(preds, geo, self.assigner, self.head, self.gains, dtype)
         return (items.sum() * preds[0].shape[0]).reshape(1), items.detach()
 
@@ -112,43 +117,41 @@ class Geometry(NamedTuple):
     points: torch.Tensor  # (A, 2) anchor centres, grid units
     strides: torch.Tensor  # (A, 1) pixels per grid unit
     image_whwh: torch.Tensor  # (4,) input width, height, width, height in pixels
-    gt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pad_targets' labels, boxes (pixels), mask
+    gt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # unpack_targets' labels, boxes (pixels), mask
 
 
 class AnchorGrid:
-    """A loss's anchors for its outputs' shapes, kept while the shapes, dtype, device and the head's stride tensor
-    stay the same: a run at one input size has the same anchors at every step, and making them is some twenty
-    kernel launches a step on a GPU. The stride is recognised by identity and in-place version (no device read),
-    so ``set_strides`` and ``.to(device)`` are seen."""
+    """A loss's anchors for its outputs' shapes, made once per (shapes, dtype, device, head stride tensor and its
+    in-place version): a run at one input size has the same anchors at every step, and making them is some twenty
+    kernel launches a step on a GPU. The stride is recognised by identity and version (no device read), so
+    ``set_strides`` and ``.to(device)`` are seen. Every entry stays: a run sees a handful of shapes, and a CUDA
+    graph that captured the loss (utils/engine/graphs.py) reads its shape's anchors in place, so they must
+    outlive a validation pass at other shapes."""
 
     def __init__(self) -> None:
-        self._stride: torch.Tensor | None = None  # held, so its identity cannot pass to another tensor
-        self._key: tuple = ()
-        self._anchors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # key -> (the stride tensor, held so its id cannot pass to another tensor; the anchors)
+        self._made: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def __call__(self, shapes: list[tuple[int, int]], stride: torch.Tensor, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(points (A, 2) and strides (A, 1) as make_anchors gives them, the input's (height, width) and (width,
         height, width, height) in pixels)."""
-        key = (tuple(shapes), dtype, device, stride._version)
-        if self._anchors is None or stride is not self._stride or key != self._key:
+        key = (tuple(shapes), dtype, device, id(stride), stride._version)
+        if key not in self._made:
             scaled = stride.to(device=device, dtype=dtype)
             points, strides = make_anchors(shapes, scaled)  # grid units
             image_hw = torch.stack((shapes[0][0] * scaled[0], shapes[0][1] * scaled[0]))
-            self._stride, self._key = stride, key
-            self._anchors = (points, strides, image_hw, image_hw.flip(0).repeat(2))
-        return self._anchors
+            self._made[key] = (stride, (points, strides, image_hw, image_hw.flip(0).repeat(2)))
+        return self._made[key][1]
 
 
-def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, targets: torch.Tensor,
+def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, packed: torch.Tensor,
                     dtype: torch.dtype, grid: AnchorGrid | None = None) -> Geometry:
-    """Anchors of the levels' shapes (from ``grid`` when given) and the batch's GTs padded per image, on the
-    outputs' device."""
-    device, bs = preds[0].device, preds[0].shape[0]
+    """Anchors of the levels' shapes (from ``grid`` when given) and the batch's GTs, packed per image on the
+    outputs' device (``tal.pack_targets``), in pixels."""
     shapes = [(p.shape[2], p.shape[3]) for p in preds]
-    points, strides, image_hw, image_whwh = (grid or AnchorGrid())(shapes, stride, dtype, device)
-    gt = pad_targets(targets.to(dtype=dtype), bs, image_hw)
-    return Geometry(points, strides, image_whwh, gt)
+    points, strides, image_hw, image_whwh = (grid or AnchorGrid())(shapes, stride, dtype, preds[0].device)
+    return Geometry(points, strides, image_whwh, unpack_targets(packed.to(dtype), image_hw))
 
 
 def branch_items(preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner, head: DistributionHead,

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from models.heads.dfl_loss import AnchorGrid, DFLLossGains, Geometry, anchor_geometry, branch_items
-from models.heads.tal import TaskAlignedAssigner
+from models.heads.tal import TaskAlignedAssigner, pack_targets
 
 O2M_TOPK = 10  # one-to-many positives per GT
 O2O_TOPK, O2O_TOPK2 = 7, 1  # one-to-one: ranked among the top 7, narrowed to the best 1
@@ -93,34 +93,52 @@ class E2ELoss:
         self.one2many = TaskAlignedAssigner(topk=O2M_TOPK, min_side=side)
         self.one2one = TaskAlignedAssigner(topk=O2O_TOPK, topk2=O2O_TOPK2, min_side=side)
         self.o2m, self.o2o = prog_weights(0, 1)
+        self._on_device: torch.Tensor | None = None  # (o2m, o2o) where the outputs are, for the loss's arithmetic
         self.grid = AnchorGrid()
 
     def set_progress(self, epoch: int, epochs: int) -> None:
-        """Called at every epoch's start: ProgLoss's weights for that epoch (``prog_weights``)."""
+        """Called at every epoch's start: ProgLoss's weights for that epoch (``prog_weights``). The device copy
+        changes in place, so a CUDA graph that captured the loss reads each epoch's weights."""
         self.o2m, self.o2o = prog_weights(epoch, epochs)
+        if self._on_device is not None:
+            self._on_device.copy_(torch.tensor((self.o2m, self.o2o), dtype=torch.float64))
+
+    def weights(self, device: torch.device) -> torch.Tensor:
+        """(o2m, o2o) as a float64 tensor on ``device``."""
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = torch.tensor((self.o2m, self.o2o), dtype=torch.float64, device=device)
+        return self._on_device
 
     def __call__(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one2one = preds["one2one"] if isinstance(preds, dict) else preds
+        return self.packed_loss(preds, pack_targets(targets, one2one[0].shape[0], one2one[0].device))
+
+    def packed_loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
+                    packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss of targets packed per image on the outputs' device (``tal.pack_targets``): device work
+        only, so a CUDA graph can capture it with the model (utils/engine/graphs.py)."""
+        one2one = preds["one2one"] if isinstance(preds, dict) else preds
         with torch.autocast(one2one[0].device.type, enabled=False):
-            return self._loss(preds, targets)
+            return self._loss(preds, packed)
 
     def _loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
-              targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         one2many, one2one = (preds["one2many"], preds["one2one"]) if isinstance(preds, dict) else (None, preds)
         dtype = torch.promote_types(one2one[0].dtype, torch.float32)
-        geo = self.geometry(one2one, targets, dtype)
+        o2m, o2o = self.weights(one2one[0].device).to(dtype).unbind()
+        geo = self.geometry(one2one, packed, dtype)
         o2o_items = self.branch(one2one, geo, self.one2one, dtype)
-        total = o2o_items.sum() * self.o2o
+        total = o2o_items.sum() * o2o
         if one2many is not None:
             if [p.shape for p in one2many] != [p.shape for p in one2one]:
                 raise ValueError("one2many and one2one outputs must have the same shapes")
-            total = total + self.branch(one2many, geo, self.one2many, dtype).sum() * self.o2m
+            total = total + self.branch(one2many, geo, self.one2many, dtype).sum() * o2m
         return (total * one2one[0].shape[0]).reshape(1), o2o_items.detach()
 
-    def geometry(self, preds: list[torch.Tensor], targets: torch.Tensor, dtype: torch.dtype) -> Geometry:
-        """Anchors and padded GTs, computed once per call for both branches (dfl_loss.anchor_geometry)."""
-        return anchor_geometry(preds, self.head.stride, targets, dtype, self.grid)
+    def geometry(self, preds: list[torch.Tensor], packed: torch.Tensor, dtype: torch.dtype) -> Geometry:
+        """Anchors and GTs, computed once per call for both branches (dfl_loss.anchor_geometry)."""
+        return anchor_geometry(preds, self.head.stride, packed, dtype, self.grid)
 
     def branch(self, preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner,
                dtype: torch.dtype) -> torch.Tensor:

@@ -10,7 +10,8 @@ claimed by several GTs keeps the one it overlaps most, and the class target of a
 classifier learns to rank boxes by their localisation quality.
 
 Everything runs batched over images and GTs: images carry their GTs padded to the batch's largest
-count with a mask (``pad_targets``), so no Python loop runs per image or per object.
+count with a mask (``pack_targets`` on the host, ``unpack_targets`` on the device), so no Python loop runs per
+image or per object.
 """
 from __future__ import annotations
 
@@ -111,37 +112,46 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS,
 
 
 def pad_targets(
-    targets: torch.Tensor, batch_size: int, image_hw: torch.Tensor
+    targets: torch.Tensor, batch_size: int, image_hw: torch.Tensor, slots: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count.
+    """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count
+    (at least ``slots``): ``unpack_targets(pack_targets(...))`` on ``image_hw``'s device.
 
     Returns classes (B, M) long, boxes (B, M, 4) xyxy in input pixels and the mask (B, M) of real
-    rows, on ``image_hw``'s device; padding is class 0, box 0 and masked out. Rows may come in any
-    image order (a stable sort keeps each image's own order). ``image_hw`` (2,) is the input size.
-    Image indices must be below batch_size (not checked).
-
-    The padding is built where ``targets`` are: the loader's host tensor, so reading M (a shape)
-    costs no device sync. Class, box and mask travel in one (B, M, 6) tensor, then split and scaled on
-    the device; for a CUDA device it is built in page-locked memory, as a copy from pageable memory may
-    make the host wait for the stream (the forward still running) before the loss is even queued.
+    rows; padding is class 0, box 0 and masked out, and more of it changes no loss (the assigner never
+    picks a masked slot). Rows may come in any image order (a stable sort keeps each image's own order).
+    ``image_hw`` (2,) is the input size. Image indices must be below batch_size (not checked).
     """
-    host, device, dtype = targets.device, image_hw.device, targets.dtype
+    return unpack_targets(pack_targets(targets, batch_size, image_hw.device, slots), image_hw)
+
+
+def pack_targets(targets: torch.Tensor, batch_size: int, device: torch.device, slots: int = 0) -> torch.Tensor:
+    """(N, 6) rows -> (B, M, 6) [class, xc, yc, w, h, real] on ``device``, M the largest count per image (at
+    least ``slots``; a CUDA graph keeps M fixed across batches this way).
+
+    The padding is built where ``targets`` are: the loader's host tensor, so reading M (a shape) costs no
+    device sync; for a CUDA device in page-locked memory, as a copy from pageable memory may make the host
+    wait for the stream (the forward still running) before the loss is even queued.
+    """
+    host, dtype = targets.device, targets.dtype
     n = targets.shape[0]
-    if n == 0:
-        return (torch.zeros(batch_size, 0, dtype=torch.long, device=device),
-                torch.zeros(batch_size, 0, 4, dtype=dtype, device=device),
-                torch.zeros(batch_size, 0, dtype=torch.bool, device=device))
     image = targets[:, 0].long()
     counts = torch.zeros(batch_size, dtype=torch.long, device=host).scatter_add_(0, image, torch.ones_like(image))
-    m = int(counts.max())  # free on the host; a device sync if the caller passed device targets
-    image_sorted, order = torch.sort(image, stable=True)
-    slot = torch.arange(n, device=host) - (counts.cumsum(0) - counts)[image_sorted]
-    pinned = host.type == "cpu" and device.type == "cuda"
-    packed = torch.zeros(batch_size, m, 6, dtype=dtype, device=host, pin_memory=pinned)  # class, xc, yc, w, h, real
-    packed[image_sorted, slot, :5] = targets[order, 1:6]
-    packed[image_sorted, slot, 5] = 1
-    packed = packed.to(device, non_blocking=True)
-    boxes = xywh2xyxy(packed[..., 1:5] * image_hw.to(dtype).flip(0).repeat(2))
+    m = max(int(counts.max()) if n else 0, slots)  # free on the host; a device sync if the caller passed device targets
+    pinned = host.type == "cpu" and torch.device(device).type == "cuda"
+    packed = torch.zeros(batch_size, m, 6, dtype=dtype, device=host, pin_memory=pinned)
+    if n:
+        image_sorted, order = torch.sort(image, stable=True)
+        slot = torch.arange(n, device=host) - (counts.cumsum(0) - counts)[image_sorted]
+        packed[image_sorted, slot, :5] = targets[order, 1:6]
+        packed[image_sorted, slot, 5] = 1
+    return packed.to(device, non_blocking=True)
+
+
+def unpack_targets(packed: torch.Tensor, image_hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_targets``' (B, M, 6) -> classes (B, M) long, boxes (B, M, 4) xyxy in pixels of the input
+    ``image_hw`` (2,), and the mask (B, M) of real rows; device work only, no host sync."""
+    boxes = xywh2xyxy(packed[..., 1:5] * image_hw.to(packed.dtype).flip(0).repeat(2))
     return packed[..., 0].long(), boxes, packed[..., 5] > 0
 
 

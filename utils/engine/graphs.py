@@ -1,10 +1,13 @@
-"""--cuda-graphs: a CUDA run's training forward and backward, each replayed as one CUDA graph per step.
+"""--cuda-graphs: a CUDA run's training forward, loss and backward, each step replayed as CUDA graphs.
 
 On a GPU host a small model's step costs the host's launching of its kernels (about a thousand for yolov8n)
 more than the GPU's arithmetic, so a step of 16 images costs about what a step of 64 does (docs/benchmarks.md,
-"GPU training"). ``torch.cuda.make_graphed_callables`` captures the model's forward and its backward once, for
-the run's input shape; every step then copies its images into the captured input and replays two graphs. The
-loss, the optimizer, the EMA and validation stay eager.
+"GPU training"). ``torch.cuda.make_graphed_callables`` captures the model's forward with the loss, and their
+backward, once for the run's input shape; every step then copies its images and its targets (packed per image
+into a fixed number of slots, models/heads/tal.pack_targets) into the captured inputs and replays two graphs. A
+batch with more labels in one image than the slots hold is captured anew with twice the slots. A loss that
+builds its targets on the host (the anchor-based family's) stays eager, and the graphs hold the model alone.
+The optimizer, the EMA and validation stay eager.
 
 What it relies on, checked before the run starts (``graphs_problem``, ``accumulation_problem``): one process
 (DDP's all-reduce hooks would run outside the graphs), a fixed input shape (no --rect, --multi-scale), no
@@ -20,7 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.heads.base import Criterion, PackedCriterion
+from models.heads.tal import pack_targets
 from utils.core.logging import LOGGER
+
+MIN_SLOTS = 32  # the fewest target slots per image a captured loss holds (slots_for)
 
 
 def graphs_problem(device: torch.device, world_size: int, compile_: bool, rect: bool, multi_scale: bool) -> str | None:
@@ -51,41 +58,72 @@ def input_signature(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.stride(), x.dtype, x.device
 
 
-class GraphedForward:
-    """The training model's forward for the loop: captured at the first training batch, then replayed for every
-    batch of that signature; any other input (a smaller last batch, eval mode) runs the eager module.
+def slots_for(labels: int) -> int:
+    """Target slots per image for a graph that must hold ``labels`` in one image: a power of two, at least
+    MIN_SLOTS, so a run captures its loss a few times at most."""
+    return max(MIN_SLOTS, 1 << max(labels - 1, 0).bit_length())
+
+
+class ModelLoss(nn.Module):
+    """The model and its loss as one module, ``(images, packed targets) -> (loss, items)``: what the graphs
+    capture when the loss takes packed targets (the criterion is not a module: its state is not the model's)."""
+
+    def __init__(self, model: nn.Module, criterion: PackedCriterion) -> None:
+        super().__init__()
+        self.model = model
+        self.criterion = criterion
+
+    def forward(self, images: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.criterion.packed_loss(self.model(images), packed)
+
+
+class StepLoss:
+    """The training step's forward and loss for the loop, ``(images, host targets) -> (loss, items)``: eager, or
+    (``graphs``) captured at the first training batch and replayed for every batch of that image signature. Any
+    other input (a smaller last batch, eval mode) runs eagerly.
 
     The capture's warm-up passes (three forwards and backwards on a copy of the first batch) would move the
     BatchNorm statistics; they are put back, so the run trains on what it would have eagerly."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.signature: tuple | None = None
+    def __init__(self, model: nn.Module, criterion: Criterion, graphs: bool = False) -> None:
+        self.model, self.criterion, self.graphs = model, criterion, graphs
+        self.packed = isinstance(criterion, PackedCriterion)  # the loss goes into the graphs with the model
+        self.signature: tuple | None = None  # the captured images' signature
+        self.slots = 0  # target slots per image the captured loss holds
         self.replay: Any = None
 
-    def __call__(self, x: torch.Tensor) -> Any:
-        if not self.model.training:
-            return self.model(x)
-        if self.signature is None:  # the first training batch: capture, then its signature is the graphs'
-            self.replay = capture(self.model, x)
-            self.signature = input_signature(x)
-        if input_signature(x) == self.signature:
-            return self.replay(x)
-        return self.model(x)
+    def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        other = self.signature is not None and input_signature(images) != self.signature
+        if not self.graphs or not self.model.training or other:
+            return self.criterion(self.model(images), targets)
+        if not self.packed:
+            if self.signature is None:
+                self.replay = capture(self.model, (images,))
+                self.signature = input_signature(images)
+            return self.criterion(self.replay(images), targets)
+        packed = pack_targets(targets, images.shape[0], images.device, self.slots)
+        if self.signature is None or packed.shape[1] > self.slots:  # the first batch, or more labels than slots
+            self.slots = slots_for(packed.shape[1])
+            packed = pack_targets(targets, images.shape[0], images.device, self.slots)
+            self.replay = capture(ModelLoss(self.model, self.criterion), (images, packed))
+            self.signature = input_signature(images)
+        return self.replay(images, packed)
 
 
-def capture(model: nn.Module, x: torch.Tensor) -> Any:
-    """The model's forward as a graphed callable for inputs like ``x`` (run under the step's autocast, whose
-    weight-cast cache must be off); the module itself keeps its eager forward."""
+def capture(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
+    """``module``'s forward as a graphed callable for inputs like ``args`` (run under the step's autocast, whose
+    weight-cast cache must be off); the module keeps its eager forward."""
     start = time.perf_counter()
-    buffers = [b.detach().clone() for b in model.buffers()]
-    sample = x.detach().clone()  # the graph's own input buffer: never a loader buffer that is refilled later
-    torch.cuda.make_graphed_callables(model, (sample,), allow_unused_input=True, capture_error_mode="thread_local")
-    replay = model.forward  # make_graphed_callables put it on the instance
-    del model.forward  # the class's forward again: eval, other shapes, copies of the module
+    buffers = [b.detach().clone() for b in module.buffers()]
+    sample = tuple(a.detach().clone() for a in args)  # the graph's own inputs: never a loader buffer refilled later
+    torch.cuda.make_graphed_callables(module, sample, allow_unused_input=True, capture_error_mode="thread_local")
+    replay = module.forward  # make_graphed_callables put it on the instance
+    del module.forward  # the class's forward again: eval, other shapes, copies of the module
     with torch.no_grad():
-        for b, saved in zip(model.buffers(), buffers):
+        for b, saved in zip(module.buffers(), buffers):
             b.copy_(saved)
-    LOGGER.info(f"--cuda-graphs: the training forward and backward captured for input {tuple(x.shape)} in "
+    what = "forward, loss and backward" if isinstance(module, ModelLoss) else "forward and backward"
+    slots = f" and {args[1].shape[1]} target slots per image" if len(args) > 1 else ""
+    LOGGER.info(f"--cuda-graphs: the training {what} captured for input {tuple(args[0].shape)}{slots} in "
                 f"{time.perf_counter() - start:.1f} s; other input shapes run eagerly")
     return replay

@@ -226,8 +226,7 @@ def forward(t: Training, loop: LoopState, hooks: Hooks, item: OnDevice, i: int, 
     steps = ni - loop.last_opt_step >= loop.accumulate or i == t.batches_per_epoch - 1
     quiet = t.model.no_sync() if not steps and isinstance(t.model, DDP) else contextlib.nullcontext()
     with quiet, t.autocast():
-        pred = t.run_model(imgs)
-        loss, loss_items = t.criterion(pred, batch.targets)  # host targets: each loss moves what it needs
+        loss, loss_items = t.step_loss(imgs, batch.targets)  # host targets: each loss moves what it needs
     return Forward(imgs, loss, loss_items, steps)
 
 
@@ -245,7 +244,7 @@ def micro_steps(t: Training, imgs: torch.Tensor, targets: torch.Tensor, i: int) 
         mine = targets[rows].clone()
         mine[:, 0] -= part.start
         with t.autocast():
-            loss, loss_items = t.criterion(t.run_model(imgs[part]), mine)
+            loss, loss_items = t.step_loss(imgs[part], mine)
         backward(t, loss)
         if j == 0:
             t.state.recovery.remember()

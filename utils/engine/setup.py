@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,7 +27,7 @@ from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
-from utils.engine.graphs import GraphedForward, accumulation_problem
+from utils.engine.graphs import StepLoss, accumulation_problem
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     StepPlan, accumulate_steps, smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
@@ -57,7 +56,7 @@ class Training:
     lr: LRSchedule  # the one writer of the optimizer's learning rates
     scaler: torch.amp.GradScaler
     criterion: Criterion
-    run_model: Callable[[torch.Tensor], Any]  # the training forward: the model, or its CUDA graphs (--cuda-graphs)
+    step_loss: StepLoss  # the training forward and loss: eager, or replayed as CUDA graphs (--cuda-graphs)
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
     imgsz: int
@@ -150,12 +149,12 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
         state.load_state_dict(saved.ckpt, restore_mosaic=bool(cfg.time))  # --time had moved close_mosaic
     model = wrap_model(model, cfg, info, device)
     state.model = model
-    run_model = GraphedForward(model) if cfg.cuda_graphs else model
     criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
+    step_loss = StepLoss(model, criterion, graphs=cfg.cuda_graphs)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
                     model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
-                    criterion=criterion, run_model=run_model, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
+                    criterion=criterion, step_loss=step_loss, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
                     batch=batch, accumulate=accumulate, steps=steps, memory_format=memory_format, state=state)
 
 
