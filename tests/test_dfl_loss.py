@@ -386,6 +386,8 @@ def test_the_anchor_grid_is_kept_until_shapes_dtype_or_strides_change():
     check(first, small, stride, torch.float32)
     assert grid(small, stride, torch.float32, cpu) is first  # kept
     check(grid(large, stride, torch.float32, cpu), large, stride, torch.float32)
+    # still kept after another shape (a validation pass): a CUDA graph of the loss reads these tensors in place
+    assert grid(small, stride, torch.float32, cpu) is first
     check(grid(large, stride, torch.float64, cpu), large, stride, torch.float64)
     stride.copy_(torch.tensor([4.0, 8.0]))  # set_strides
     check(grid(large, stride, torch.float64, cpu), large, stride, torch.float64)

@@ -296,6 +296,10 @@ def test_progloss_weights_at_first_middle_and_last_epoch():
     criterion.set_progress(20, 30)
     criterion.set_progress(7, 30)  # a resume: only (epoch, epochs) matters, not what came before
     assert (criterion.o2m, criterion.o2o) == prog_weights(7, 30)
+    on_device = criterion.weights(torch.device("cpu"))  # what the loss multiplies by, where its outputs are
+    criterion.set_progress(12, 30)
+    assert criterion.weights(torch.device("cpu")) is on_device  # changed in place: a captured graph reads it
+    assert on_device.tolist() == list(prog_weights(12, 30))
 
 
 # ------------------------------------------------------------------------------ DFL heads and contract
