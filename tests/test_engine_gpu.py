@@ -173,6 +173,7 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     from utils.core.watchdog import Watchdog
     from utils.engine import loop as engine_loop
     from utils.engine.config import Resume, resolve_config
+    from utils.engine.graphs import StepLoss
     from utils.engine.hooks import build_hooks
     from utils.engine.optim import LRSchedule, Warmup
     from utils.engine.preempt import StopRequest
@@ -188,10 +189,11 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     optimizer = smart_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
     lr = LRSchedule(optimizer, Warmup(iters=-1, bias_lr=0.0, momentum0=0.8, momentum=0.9), 1, lrf=0.01, cos=False)
     state = dataclasses.replace(t.state, model=model, optimizer=optimizer, lr=lr)
+    criterion = model.detect.build_criterion(t.hyp, t.imgsz)
     t = dataclasses.replace(t, device=meta, optimizer=optimizer, lr=lr, accumulate=2, state=state,
-                            criterion=model.detect.build_criterion(t.hyp, t.imgsz))
+                            criterion=criterion, step_loss=StepLoss(model, criterion))
     monkeypatch.setattr(Training, "autocast", lambda self: contextlib.nullcontext())  # autocast has no meta device
-    monkeypatch.setattr(type(t.criterion), "__call__", type(t.criterion)._loss)  # ... nor the loss's fp32 guard
+    monkeypatch.setattr(type(criterion), "packed_loss", type(criterion)._loss)  # ... nor the loss's fp32 guard
     monkeypatch.setattr(dist, "reduce_mean", lambda x: torch.zeros(x.shape))  # the epoch's one closing copy
     copies = []
     monkeypatch.setattr(engine_loop, "host_values", lambda x: copies.append(x.shape) or [0.0] * x.numel())
