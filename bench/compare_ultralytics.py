@@ -476,7 +476,8 @@ def report(res: dict[str, dict], opt: argparse.Namespace) -> str:
     data = opt.data or "built-in shapes"
     lines = [f"{opt.model}, {data}: {any_['n_train']} train / {any_['n_val']} val images, {opt.imgsz}px, batch "
              f"{opt.batch_size}, {opt.epochs} epoch(s), seed {opt.seed}, {opt.threads} threads, CPU; "
-             f"best of {any_['rounds']} round(s)" + (f"; ours with {shlex.join(opt.ours_args)}" if opt.ours_args else ""),
+             f"best of {any_['rounds']} round(s)"
+             + (f"; ours with {shlex.join(opt.ours_args)}" if opt.ours_args else ""),
              f"{'':<31}{'ours':>12}{'ultralytics':>13}{'ratio':>9}", "-" * 65]
     for label, fmt, value, kind in _rows():
         a, b = (value(r) if r is not None else None for r in (o, u))

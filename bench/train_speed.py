@@ -35,8 +35,9 @@ Figures:
              slowest rank's, so a straggler counts.
   breakdown  mean ms per step of each phase: data (waiting for the loader), prep (images to
              the device, /255, memory format), forward, loss (targets to the device, target
-             building + loss; under --cuda-graphs counted in forward), nan-check (the NaN flag on the device, and at each optimizer step
-             check_step: one all-reduce of the flags and running loss, one host read), backward
+             building + loss; under --cuda-graphs counted in forward), nan-check (the NaN flag on
+             the device, and at each optimizer step check_step: one all-reduce of the flags and
+             running loss, one host read), backward
              (includes DDP's gradient all-reduce),
              optim (unscale, clip, SGD step, zero_grad, EMA; amortised over accumulate steps).
              On CUDA the device is synchronised at each phase boundary, only here, so phases do

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
+from models.heads.base import PackedCriterion
+from models.heads.tal import pack_targets
 from models.yolo import Model
 from tests.conftest import ROOT, run_env
 from utils.core.hyp import Hyp
 from utils.engine.config import RESUME_HARMLESS
-from models.heads.base import PackedCriterion
-from models.heads.tal import pack_targets
 from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problem, slots_for
 from utils.engine.loop import optimizer_step
 from utils.engine.optim import ModelEMA

@@ -112,17 +112,17 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = CIOU_EPS,
 
 
 def pad_targets(
-    targets: torch.Tensor, batch_size: int, image_hw: torch.Tensor, slots: int = 0
+    targets: torch.Tensor, batch_size: int, image_hw: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count
-    (at least ``slots``): ``unpack_targets(pack_targets(...))`` on ``image_hw``'s device.
+    """(N, 6) rows [image, class, xc, yc, w, h] (normalised) -> per-image GTs padded to the largest count:
+    ``unpack_targets(pack_targets(...))`` on ``image_hw``'s device.
 
     Returns classes (B, M) long, boxes (B, M, 4) xyxy in input pixels and the mask (B, M) of real
     rows; padding is class 0, box 0 and masked out, and more of it changes no loss (the assigner never
     picks a masked slot). Rows may come in any image order (a stable sort keeps each image's own order).
     ``image_hw`` (2,) is the input size. Image indices must be below batch_size (not checked).
     """
-    return unpack_targets(pack_targets(targets, batch_size, image_hw.device, slots), image_hw)
+    return unpack_targets(pack_targets(targets, batch_size, image_hw.device), image_hw)
 
 
 def pack_targets(targets: torch.Tensor, batch_size: int, device: torch.device, slots: int = 0) -> torch.Tensor:

@@ -5,7 +5,7 @@ more than the GPU's arithmetic, so a step of 16 images costs about what a step o
 "GPU training"). ``torch.cuda.make_graphed_callables`` captures the model's forward with the loss, and their
 backward, once for the run's input shape; every step then copies its images and its targets (packed per image
 into a fixed number of slots, models/heads/tal.pack_targets) into the captured inputs and replays two graphs. A
-batch with more labels in one image than the slots hold is captured anew with twice the slots. A loss that
+batch with more labels in one image than the slots hold is captured anew with enough slots (``slots_for``). A loss that
 builds its targets on the host (the anchor-based family's) stays eager, and the graphs hold the model alone.
 The optimizer, the EMA and validation stay eager.
 

@@ -154,8 +154,9 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
                     model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
-                    criterion=criterion, step_loss=step_loss, train_loader=train_loader, val_loader=val_loader, imgsz=imgsz, grid=grid,
-                    batch=batch, accumulate=accumulate, steps=steps, memory_format=memory_format, state=state)
+                    criterion=criterion, step_loss=step_loss, train_loader=train_loader, val_loader=val_loader,
+                    imgsz=imgsz, grid=grid, batch=batch, accumulate=accumulate, steps=steps,
+                    memory_format=memory_format, state=state)
 
 
 def make_run_dir(cfg: RunConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
