@@ -34,7 +34,7 @@ def test_de_parallel_unwraps_compiled_modules_and_their_keys_stay_plain(one_thre
 def test_wrap_model_compiles_in_place_and_saves_plain_keys():
     model = Model(V8N, nc=3)
     keys = list(model.state_dict())
-    cfg = ResolvedArgs(sync_bn=False, compile=True)
+    cfg = ResolvedArgs(sync_bn=False, compile=True, cuda_graphs=False)
     wrapped = wrap_model(model, cfg, DistInfo(), torch.device("cpu"))
     assert wrapped is model and model._compiled_call_impl is not None  # compiled at its first call
     assert de_parallel(wrapped) is model and list(wrapped.state_dict()) == keys

@@ -4,6 +4,7 @@ captures, replays and saves."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from models.heads.base import PackedCriterion
 from models.heads.tal import pack_targets
 from models.yolo import Model
 from tests.conftest import ROOT, run_env
+from tests.test_resume import TORCHRUN
 from utils.core.hyp import Hyp
 from utils.engine.config import RESUME_HARMLESS
 from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problem, slots_for
@@ -27,7 +29,9 @@ CUDA = torch.device("cuda")
 def test_graphs_problem_names_each_setting_it_cannot_run_with():
     assert graphs_problem(CUDA, 1, compile_=False, rect=False, multi_scale=False) is None
     assert "needs a CUDA device (this run is on cpu)" in graphs_problem(torch.device("cpu"), 1, False, False, False)
-    assert "one process per job (this job has 2)" in graphs_problem(CUDA, 2, False, False, False)
+    assert graphs_problem(CUDA, 2, False, False, False) is None  # DDP wraps the graphed unit
+    assert "--sync-bn" in graphs_problem(CUDA, 2, False, False, False, sync_bn=True)
+    assert graphs_problem(CUDA, 1, False, False, False, sync_bn=True) is None  # one rank: plain BatchNorm
     assert "--compile" in graphs_problem(CUDA, 1, True, False, False)
     assert "--rect changes it" in graphs_problem(CUDA, 1, False, True, False)
     assert "--multi-scale changes it" in graphs_problem(CUDA, 1, False, False, True)
@@ -108,6 +112,24 @@ def test_step_loss_without_graphs_is_the_model_then_the_loss():
     assert torch.equal(loss, want) and torch.equal(items, want_items)
 
 
+def test_two_ranks_reduce_what_the_graphed_unit_computes(tmp_path):
+    """--cuda-graphs under torchrun (gloo, the capture replaced by the eager forward: tests/scripts/graphs_ranks.py):
+    DDP around the replayable unit gives every rank the losses, all-reduced gradients and rank 0's broadcast
+    BatchNorm statistics that DDP around the model gives, at the captured shape, after rank 1 alone captured anew
+    for a crowded image, and at a smaller eager batch."""
+    out = tmp_path / "ranks.jsonl"
+    p = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "scripts" / "graphs_ranks.py"), str(out)], cwd=ROOT,
+                       env=run_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    ranks = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["equal_losses"] == r["equal_grads"] == r["equal_buffers"] == [True] * 3, r
+    assert ranks[0]["grad_sum"] == ranks[1]["grad_sum"]  # the gradients were all-reduced
+    first = [[4, 3, 64, 64], [4, MIN_SLOTS, 6]]
+    assert ranks[0]["captures"] == [first] and ranks[1]["captures"] == [first, [[4, 3, 64, 64], [4, 2 * MIN_SLOTS, 6]]]
+
+
 def _steps(model, step_loss, batches) -> list[float]:
     """AdamW steps under fp16 autocast (its cast cache off, as --cuda-graphs runs) as the loop takes them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -166,3 +188,16 @@ def test_an_epoch_with_cuda_graphs_captures_replays_and_saves(tiny_data, tmp_pat
                 f"{MIN_SLOTS} target slots per image") in p.stdout + p.stderr
         ckpt = torch.load(tmp_path / name / "weights" / "last.pt", map_location="cpu", weights_only=True)
         assert all(v.isfinite().all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.cuda(devices=2)
+def test_two_gpus_train_with_cuda_graphs(tiny_data, tmp_path):
+    """train.py --cuda-graphs under torchrun on two GPUs: each rank captures, the run saves finite weights."""
+    cmd = [*TORCHRUN, "train.py", "--data", str(tiny_data), "--project", str(tmp_path), "--name", "ddp", "--imgsz",
+           "64", "--batch-size", "32", "--workers", "1", "--epochs", "2", "--device", "0,1", "--cuda-graphs"]
+    p = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    log = p.stdout + p.stderr
+    assert "--cuda-graphs: the training forward, loss and backward captured for input (16, 3, 64, 64)" in log
+    ckpt = torch.load(tmp_path / "ddp" / "weights" / "last.pt", map_location="cpu", weights_only=True)
+    assert all(v.isfinite().all() for v in ckpt["model"].values() if v.is_floating_point())

@@ -12,6 +12,7 @@ where; the collectives DDP runs inside forward and backward count as the loop's 
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -335,6 +336,9 @@ def smart_DDP(model: torch.nn.Module, device: torch.device, sync_bn: bool = Fals
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:3] if v.isdigit())
     if version[:2] == (1, 12) and version[2:] in ((), (0,)):
         raise UserError("torch 1.12.0 has a DDP bug that breaks training; use another version")
+    # rank 0's buffers before every forward; torch 2.14 renamed the argument (the old name warns on every rank)
+    renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": not sync_bn}
     if device.type == "cuda":
-        return DDP(model, device_ids=[device.index], output_device=device.index, broadcast_buffers=not sync_bn)
-    return DDP(model, broadcast_buffers=not sync_bn)
+        return DDP(model, device_ids=[device.index], output_device=device.index, **sync)
+    return DDP(model, **sync)

@@ -169,7 +169,8 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
     utils/engine/autobatch.py) and the global validation batch."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
-    problem = args.cuda_graphs and graphs_problem(device, info.world_size, args.compile, args.rect, args.multi_scale)
+    problem = args.cuda_graphs and graphs_problem(device, info.world_size, args.compile, args.rect, args.multi_scale,
+                                                  args.sync_bn)
     if problem:
         raise UserError(problem)
     model = None if saved else resume.fresh_model()

@@ -9,15 +9,21 @@ batch with more labels in one image than the slots hold is captured anew with en
 builds its targets on the host (the anchor-based family's) stays eager, and the graphs hold the model alone.
 The optimizer, the EMA and validation stay eager.
 
-What it relies on, checked before the run starts (``graphs_problem``, ``accumulation_problem``): one process
-(DDP's all-reduce hooks would run outside the graphs), a fixed input shape (no --rect, --multi-scale), no
---compile, and one backward per optimizer step. The graphed backward hands each parameter a view of its
-captured gradient; the optimizer step's ``zero_grad`` lets go of it before the next replay writes there, which a
-second backward into the same step's gradients would not.
+Under DDP (torchrun) each rank captures its own graphs: the graphed unit (``Replayable``) is what DDP wraps, so
+DDP's forward broadcasts the BatchNorm buffers and prepares its reducer outside the graphs, and the gradients the
+replayed backward hands the parameters are all-reduced outside them too, all at once after the backward rather
+than overlapping it. No collective runs inside a capture, so a rank capturing anew alone waits for nobody.
+
+What it relies on, checked before the run starts (``graphs_problem``, ``accumulation_problem``): a fixed input
+shape (no --rect, --multi-scale), no --compile, no --sync-bn (its statistics exchange runs inside the forward),
+and one backward per optimizer step. The graphed backward hands each parameter a view of its captured gradient;
+the optimizer step's ``zero_grad`` lets go of it before the next replay writes there, which a second backward
+into the same step's gradients would not.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,13 +36,14 @@ from utils.core.logging import LOGGER
 MIN_SLOTS = 32  # the fewest target slots per image a captured loss holds (slots_for)
 
 
-def graphs_problem(device: torch.device, world_size: int, compile_: bool, rect: bool, multi_scale: bool) -> str | None:
+def graphs_problem(device: torch.device, world_size: int, compile_: bool, rect: bool, multi_scale: bool,
+                   sync_bn: bool = False) -> str | None:
     """Why --cuda-graphs cannot run with these settings, as a message; None when it can."""
     if device.type != "cuda":
         return f"--cuda-graphs needs a CUDA device (this run is on {device.type})"
-    if world_size > 1:
-        return (f"--cuda-graphs runs one process per job (this job has {world_size}): DDP's gradient all-reduce would "
-                "run outside the graphs")
+    if sync_bn and world_size > 1:
+        return ("--cuda-graphs and --sync-bn: SyncBatchNorm exchanges statistics between ranks inside the forward, "
+                "which a graph cannot hold; choose one")
     if compile_:
         return "--cuda-graphs and --compile both change how the step is launched; choose one"
     if rect or multi_scale:
@@ -77,40 +84,63 @@ class ModelLoss(nn.Module):
         return self.criterion.packed_loss(self.model(images), packed)
 
 
+class Replayable(nn.Module):
+    """The graphed unit (the model, or ModelLoss) behind one forward that replays the captured graphs when StepLoss
+    sets ``replay`` and runs the unit eagerly otherwise: the one module DDP wraps under --cuda-graphs, built before
+    any capture, so every rank's DDP sees the same module however often a rank captures anew."""
+
+    def __init__(self, unit: nn.Module) -> None:
+        super().__init__()
+        self.unit = unit
+        self.replay: Callable[..., Any] | None = None
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return (self.replay or self.unit)(*args)
+
+
+Capture = Callable[[nn.Module, tuple], Callable[..., Any]]  # (module, sample args) -> its replaying forward
+
+
 class StepLoss:
     """The training step's forward and loss for the loop, ``(images, host targets) -> (loss, items)``: eager, or
     (``graphs``) captured at the first training batch and replayed for every batch of that image signature. Any
-    other input (a smaller last batch, eval mode) runs eagerly.
+    other input (a smaller last batch) runs the unit eagerly; eval mode runs the model then the loss.
 
-    The capture's warm-up passes (three forwards and backwards on a copy of the first batch) would move the
-    BatchNorm statistics; they are put back, so the run trains on what it would have eagerly."""
+    Under --cuda-graphs ``model`` is the plain model and ``wrap`` what makes the step distributed (DDP on several
+    ranks, applied to the ``Replayable``); without graphs ``model`` comes wrapped already. The capture's warm-up
+    passes (three forwards and backwards on a copy of the first batch) would move the BatchNorm statistics; they
+    are put back, so the run trains on what it would have eagerly."""
 
-    def __init__(self, model: nn.Module, criterion: Criterion, graphs: bool = False) -> None:
+    def __init__(self, model: nn.Module, criterion: Criterion, graphs: bool = False,
+                 wrap: Callable[[nn.Module], nn.Module] = lambda m: m, capture: Capture | None = None) -> None:
         self.model, self.criterion, self.graphs = model, criterion, graphs
         self.packed = isinstance(criterion, PackedCriterion)  # the loss goes into the graphs with the model
+        self.replayable = Replayable(ModelLoss(model, criterion) if self.packed else model) if graphs else None
+        self.net = wrap(self.replayable) if graphs else None  # what the step calls under --cuda-graphs
+        self.capture = capture or capture_graphs  # a test's eager stand-in where there is no GPU
         self.signature: tuple | None = None  # the captured images' signature
         self.slots = 0  # target slots per image the captured loss holds
         self.replay: Any = None
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        other = self.signature is not None and input_signature(images) != self.signature
-        if not self.graphs or not self.model.training or other:
+        if not self.graphs or not self.model.training:
             return self.criterion(self.model(images), targets)
-        if not self.packed:
-            if self.signature is None:
-                self.replay = capture(self.model, (images,))
-                self.signature = input_signature(images)
-            return self.criterion(self.replay(images), targets)
-        packed = pack_targets(targets, images.shape[0], images.device, self.slots)
-        if self.signature is None or packed.shape[1] > self.slots:  # the first batch, or more labels than slots
-            self.slots = slots_for(packed.shape[1])
-            packed = pack_targets(targets, images.shape[0], images.device, self.slots)
-            self.replay = capture(ModelLoss(self.model, self.criterion), (images, packed))
+        same = self.signature is None or input_signature(images) == self.signature
+        args: tuple[torch.Tensor, ...] = (images,)
+        if self.packed:
+            args = (images, pack_targets(targets, images.shape[0], images.device, self.slots))
+        if same and (self.signature is None or (self.packed and args[1].shape[1] > self.slots)):
+            if self.packed:  # the first batch, or more labels in an image than the slots hold
+                self.slots = slots_for(args[1].shape[1])
+                args = (images, pack_targets(targets, images.shape[0], images.device, self.slots))
+            self.replay = self.capture(self.replayable.unit, args)
             self.signature = input_signature(images)
-        return self.replay(images, packed)
+        self.replayable.replay = self.replay if same else None
+        out = self.net(*args)
+        return out if self.packed else self.criterion(out, targets)
 
 
-def capture(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Any:
+def capture_graphs(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
     """``module``'s forward as a graphed callable for inputs like ``args`` (run under the step's autocast, whose
     weight-cast cache must be off); the module keeps its eager forward."""
     start = time.perf_counter()

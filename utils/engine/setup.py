@@ -6,6 +6,7 @@ resume state, DDP) because each consumes the previous ones' results.
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,8 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     model = wrap_model(model, cfg, info, device)
     state.model = model
     criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
-    step_loss = StepLoss(model, criterion, graphs=cfg.cuda_graphs)
+    step_loss = StepLoss(model, criterion, graphs=cfg.cuda_graphs,
+                         wrap=functools.partial(dist.smart_DDP, device=device))  # DDP under graphs: wrap_model
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
                     model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
@@ -240,14 +242,16 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
 
 
 def wrap_model(model: nn.Module, opt: RunConfig, info: DistInfo, device: torch.device) -> nn.Module:
-    """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed, then --compile."""
+    """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed, then --compile. Under --cuda-graphs
+    the model stays plain: DDP wraps the graphed unit instead (utils/engine/graphs.StepLoss)."""
     sync_bn = bool(opt.sync_bn and info.distributed and device.type == "cuda")
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         LOGGER.info("Using SyncBatchNorm")
     elif opt.sync_bn:
         LOGGER.warning("WARNING: --sync-bn needs CUDA and more than one rank; using plain BatchNorm")
-    model = dist.smart_DDP(model, device, sync_bn=sync_bn)
+    if not opt.cuda_graphs:
+        model = dist.smart_DDP(model, device, sync_bn=sync_bn)
     if opt.compile:  # in place, after DDP (torch's advice): the module stays a DDP, its state_dict keys plain
         model.compile()
         LOGGER.info("--compile: torch.compile on the training model; the first steps, and each new input shape, "
