@@ -1,13 +1,14 @@
 """torchrun helper for tests/test_graphs.py: --cuda-graphs' distributed step on CPU ranks (gloo), its capture
 replaced by the eager forward (graphs need a GPU; what is under test is what DDP wraps and reduces).
 
-Each rank trains yolov8n for three steps on its own batches two ways: DDP around the model, the loop's path
-without graphs, and StepLoss(graphs=True) with DDP around its replayable unit. Rank 1's BatchNorm statistics start
-perturbed (DDP broadcasts rank 0's), its second batch crowds one image past the first capture's slots (a capture
-anew on rank 1 alone), and the third batch is smaller (eager through DDP). Rank 0 writes one json line per rank
-to OUT: equal losses, gradients and BatchNorm statistics between the two ways, and the captures taken.
+Each rank trains MODEL (yolov8n: the loss graphed with it; yolov5n: the model alone) for three steps on its
+own batches two ways: DDP around the model, the loop's path without graphs, and StepLoss(graphs=True) with DDP
+around its replayable unit. Rank 1's BatchNorm statistics start perturbed (DDP broadcasts rank 0's), its second
+batch crowds one image past the first capture's slots (a capture anew on rank 1 alone, where the loss is
+graphed), and the third batch is smaller (eager through DDP). Rank 0 writes one json line per rank to OUT:
+equal losses, gradients and BatchNorm statistics between the two ways, and the captures taken.
 
-usage: graphs_ranks.py OUT
+usage: graphs_ranks.py OUT MODEL
 """
 import copy
 import functools
@@ -44,11 +45,11 @@ def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def main(out: str) -> None:
+def main(out: str, name: str) -> None:
     tdist.init_process_group("gloo")
     rank, world = tdist.get_rank(), tdist.get_world_size()
     torch.manual_seed(0)
-    plain = Model(ROOT / "models" / "yolov8n.yaml", nc=3).train()
+    plain = Model(ROOT / "models" / f"{name}.yaml", nc=3).train()
     if rank == 1:
         with torch.no_grad():
             for m in plain.modules():
@@ -88,4 +89,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
