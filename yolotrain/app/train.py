@@ -117,8 +117,8 @@ def add_compute_flags(p: argparse.ArgumentParser) -> None:
                         "uninterrupted one exactly, at some speed cost (CPU runs are deterministic without it)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training model (the first steps are slow)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the training model's forward and backward as CUDA graphs (one GPU, fixed input shape, "
-                        "an optimizer step per batch): fewer kernel launches for the host per step")
+                   help="replay the training forward, loss and backward as CUDA graphs on each rank (fixed input "
+                        "shape, an optimizer step per batch): fewer kernel launches for the host per step")
     p.add_argument("--multi-scale", action="store_true", help="vary the training image size by +/- 50%% per step")
     p.add_argument("--augment-on", choices=("auto", "workers", "device"), default="auto",
                    help="where training augmentation draws its pixels: 'workers' (the loader processes, OpenCV) or "
