@@ -15,7 +15,7 @@ replayed backward hands the parameters are all-reduced outside them too, all at 
 than overlapping it. No collective runs inside a capture, so a rank capturing anew alone waits for nobody.
 
 What it relies on, checked before the run starts (``graphs_problem``, ``accumulation_problem``): a fixed input
-shape (no --rect, --multi-scale), no --compile, no --sync-bn (its statistics exchange runs inside the forward),
+shape (no --rect, --multi-scale), no --compile, no --sync-bn on several ranks (its exchange runs in the forward),
 and one backward per optimizer step. The graphed backward hands each parameter a view of its captured gradient;
 the optimizer step's ``zero_grad`` lets go of it before the next replay writes there, which a second backward
 into the same step's gradients would not.
