@@ -170,7 +170,7 @@ def test_graphed_steps_equal_eager_steps_on_cuda(name, monkeypatch):
     step = StepLoss(graphed, graphed.detect.build_criterion(Hyp(), 64), graphs=True)
     a = _steps(eager, StepLoss(eager, eager.detect.build_criterion(Hyp(), 64)), batches)
     b = _steps(graphed, step, batches)
-    assert step.signature is not None and step.signature[0] == (8, 3, 64, 64)
+    assert step.replayable.signature is not None and step.replayable.signature[0] == (8, 3, 64, 64)
     assert step.slots == (0 if name == "yolov5n" else slots_for(len(crowded)))
     assert "forward" not in vars(graphed)  # the module keeps its own forward: copies and eval stay eager
     assert a == pytest.approx(b, rel=1e-4)

@@ -85,17 +85,19 @@ class ModelLoss(nn.Module):
 
 
 class Replayable(nn.Module):
-    """The graphed unit (the model, or ModelLoss) behind one forward that replays the captured graphs when StepLoss
-    sets ``replay`` and runs the unit eagerly otherwise: the one module DDP wraps under --cuda-graphs, built before
-    any capture, so every rank's DDP sees the same module however often a rank captures anew."""
+    """The graphed unit (the model, or ModelLoss) behind one forward that replays the captured graphs for inputs of
+    the captured signature and runs the unit eagerly for any other: the one module DDP wraps under --cuda-graphs,
+    built before any capture, so every rank's DDP sees the same module however often a rank captures anew."""
 
     def __init__(self, unit: nn.Module) -> None:
         super().__init__()
         self.unit = unit
-        self.replay: Callable[..., Any] | None = None
+        self.replay: Callable[..., Any] | None = None  # the captured forward (StepLoss captures it)
+        self.signature: tuple | None = None  # the captured images' signature
 
     def forward(self, *args: torch.Tensor) -> Any:
-        return (self.replay or self.unit)(*args)
+        captured = self.replay is not None and input_signature(args[0]) == self.signature
+        return (self.replay if captured else self.unit)(*args)
 
 
 Capture = Callable[[nn.Module, tuple], Callable[..., Any]]  # (module, sample args) -> its replaying forward
@@ -118,25 +120,24 @@ class StepLoss:
         self.replayable = Replayable(ModelLoss(model, criterion) if self.packed else model) if graphs else None
         self.net = wrap(self.replayable) if graphs else None  # what the step calls under --cuda-graphs
         self.capture = capture or capture_graphs  # a test's eager stand-in where there is no GPU
-        self.signature: tuple | None = None  # the captured images' signature
         self.slots = 0  # target slots per image the captured loss holds
-        self.replay: Any = None
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs or not self.model.training:
             return self.criterion(self.model(images), targets)
-        same = self.signature is None or input_signature(images) == self.signature
+        graphed = self.replayable
+        first = graphed.signature is None
         args: tuple[torch.Tensor, ...] = (images,)
         if self.packed:
             args = (images, pack_targets(targets, images.shape[0], images.device, self.slots))
-        if same and (self.signature is None or (self.packed and args[1].shape[1] > self.slots)):
+        same = first or input_signature(images) == graphed.signature
+        if same and (first or (self.packed and args[1].shape[1] > self.slots)):
             if self.packed:  # the first batch, or more labels in an image than the slots hold
                 self.slots = slots_for(args[1].shape[1])
                 args = (images, pack_targets(targets, images.shape[0], images.device, self.slots))
-            self.replay = self.capture(self.replayable.unit, args)
-            self.signature = input_signature(images)
-        self.replayable.replay = self.replay if same else None
-        out = self.net(*args)
+            graphed.replay = self.capture(graphed.unit, args)
+            graphed.signature = input_signature(images)
+        out = self.net(*args)  # replays at the captured signature, eager at any other
         return out if self.packed else self.criterion(out, targets)
 
 
