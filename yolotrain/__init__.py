@@ -7,16 +7,46 @@
         print(r.boxes.xyxy, r.boxes.conf, r.boxes.cls)
     model.export("onnx")                                     # the checked file's path
     yolotrain.convert_coco("instances_val2017.json", "datasets/coco-yolo")
+
+The names below are imported on first use (PEP 562), so a process that runs one tool (``python val.py``,
+``python -m yolotrain detect``) imports that tool alone, not every tool and the optional packages behind them.
 """
 from __future__ import annotations
 
-from utils.core.callbacks import CallbackError
-from utils.core.errors import Preempted, UserError
-from utils.data.convert import convert_coco, convert_voc
-from utils.engine.state import TrainResult
-from utils.infer.results import Results
-from yolotrain.model import YOLO
-from yolotrain.results import ValResult
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["YOLO", "Results", "ValResult", "TrainResult", "UserError", "CallbackError", "Preempted", "convert_coco",
-           "convert_voc"]
+if TYPE_CHECKING:
+    from utils.core.callbacks import CallbackError
+    from utils.core.errors import Preempted, UserError
+    from utils.data.convert import convert_coco, convert_voc
+    from utils.engine.state import TrainResult
+    from utils.infer.results import Results
+    from yolotrain.model import YOLO
+    from yolotrain.results import ValResult
+
+_HOMES = {
+    "YOLO": "yolotrain.model",
+    "Results": "utils.infer.results",
+    "ValResult": "yolotrain.results",
+    "TrainResult": "utils.engine.state",
+    "UserError": "utils.core.errors",
+    "CallbackError": "utils.core.callbacks",
+    "Preempted": "utils.core.errors",
+    "convert_coco": "utils.data.convert",
+    "convert_voc": "utils.data.convert",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'yolotrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # found once; later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

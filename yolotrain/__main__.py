@@ -6,28 +6,33 @@
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 
-from yolotrain.app import coco, convert, detect, export, shards, train, tune, val, weights
-
-TOOLS: dict[str, tuple[Callable[[list[str] | None], int], str]] = {
-    "train": (train.cli, "train a detector (train.py)"),
-    "val": (val.cli, "score checkpoints or exports on a split (val.py)"),
-    "detect": (detect.cli, "run a detector on images and videos (detect.py)"),
-    "export": (export.cli, "export a checkpoint to ONNX / TorchScript (export.py)"),
-    "tune": (tune.cli, "search hyperparameters with Optuna (tune.py)"),
-    "convert": (convert.cli, "COCO or Pascal VOC annotations to a YOLO dataset"),
-    "weights": (weights.cli, "a YOLOv5 or Ultralytics checkpoint to a yolotrain one"),
-    "coco": (coco.cli, "a split's ground truth as COCO json"),
-    "shards": (shards.cli, "a dataset as tar shards with an index, to train from"),
+# tool -> what it does; each is the module yolotrain.app.<tool>, imported only when it runs
+TOOLS: dict[str, str] = {
+    "train": "train a detector (train.py)",
+    "val": "score checkpoints or exports on a split (val.py)",
+    "detect": "run a detector on images and videos (detect.py)",
+    "export": "export a checkpoint to ONNX / TorchScript (export.py)",
+    "tune": "search hyperparameters with Optuna (tune.py)",
+    "convert": "COCO or Pascal VOC annotations to a YOLO dataset",
+    "weights": "a YOLOv5 or Ultralytics checkpoint to a yolotrain one",
+    "coco": "a split's ground truth as COCO json",
+    "shards": "a dataset as tar shards with an index, to train from",
 }
+
+
+def tool_cli(tool: str) -> Callable[[list[str] | None], int]:
+    """The ``cli`` of ``tool``: its module is imported here, so one tool's run imports no other tool."""
+    return importlib.import_module(f"yolotrain.app.{tool}").cli
 
 
 def usage() -> str:
     lines = ["usage: python -m yolotrain <tool> [flags]   (python -m yolotrain <tool> --help for its flags)", "",
              "tools:"]
-    return "\n".join(lines + [f"  {name:<9} {text}" for name, (_, text) in TOOLS.items()])
+    return "\n".join(lines + [f"  {name:<9} {text}" for name, text in TOOLS.items()])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{usage()}\n\npython -m yolotrain: unknown tool '{tool}'", file=sys.stderr)
         return 2
     sys.argv = [f"python -m yolotrain {tool}", *rest]  # argparse's prog, in --help and errors
-    code = TOOLS[tool][0](rest)
+    code = tool_cli(tool)(rest)
     return 0 if code is None else code  # torch's @record returns None for argparse's --help exit
 
 
