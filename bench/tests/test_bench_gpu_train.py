@@ -20,7 +20,9 @@ import torch
 
 from bench import gpu_train
 from bench.gpu_train import Contender, ULTRALYTICS
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
+
+pytestmark = pytest.mark.bench  # `pytest bench/tests` (CI's second step), not the product's suite
 
 TINY = ["--device", "cpu", "--models", "yolov8n", "--imgsz", "64", "--batch-size", "4", "--steps", "4", "--warmup",
         "1", "--n-val", "8", "--epochs", "1", "--workers", "0", "1", "--ref-seconds", "0.1"]

@@ -31,7 +31,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
+
+pytestmark = pytest.mark.bench  # `pytest bench/tests` (CI's second step), not the product's suite
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
