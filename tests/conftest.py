@@ -1,26 +1,32 @@
-"""Shared fixtures: the repo root, a subprocess environment and a tiny generated dataset.
+"""Shared fixtures: a tiny generated dataset, shapes datasets, and runs built once per test run.
 
+The suite runs on two processes by default (pytest-xdist, ``-n auto``): a fixture whose result is a folder on
+disk (a dataset, a trained checkpoint, a reference run) is built once for the whole test run, whichever worker asks
+first, under a file lock in a folder every worker sees (``once``); the others wait for it and read it.
 The repo is importable through pyproject.toml's pytest ``pythonpath``, so nothing here edits sys.path.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
-import sys
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
+from tests.helpers import LAUNCHERS, PYTHON, Run, run
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each worker is one of as many processes as cores: one thread each, as every subprocess run has (helpers.run_env).
+    # Set before torch is imported, so torch's pool starts at that size.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def run_env() -> dict:
-    """Environment for subprocess runs: repo importable, one thread per process on the 2-core CI box."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    env.pop("LOCAL_RANK", None)
-    return env
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per usable core, at most 4 (each may run a 2-rank torchrun, 3 processes of ~1 GB)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -39,6 +45,28 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), {have} here"))
 
 
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], object]], Path]:
+    """``once(name, build)``: the folder ``name``, filled by ``build(folder)`` the first time any worker of this test
+    run asks for it; a build that fails leaves nothing, so the next asker builds again (and fails the same way)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, build: Callable[[Path], object]) -> Path:
+        folder = shared / "once" / name
+        folder.parent.mkdir(exist_ok=True)
+        with open(f"{folder}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder.parent / f"{name}.done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                build(folder)
+                (folder.parent / f"{name}.done").touch()
+        return folder
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: tiny convs run far faster than with threads fighting for 2 busy cores."""
@@ -50,32 +78,52 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def write_val_split(root: Path, n: int, hw: tuple[int, int], shade) -> Path:
-    """``root``/images/val with ``n`` flat-grey jpgs (image k has pixel value ``shade(k)``), each with one centred
-    box in ``root``/labels/val; returns the images folder."""
-    import cv2
-    import numpy as np
-
-    imgs, lbls = root / "images" / "val", root / "labels" / "val"
-    imgs.mkdir(parents=True)
-    lbls.mkdir(parents=True)
-    for k in range(n):
-        cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((*hw, 3), shade(k), np.uint8))
-        (lbls / f"{k}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
-    return imgs
+TINY_YAML = ("path: shapes\ntrain: images/train\nval: images/val\n"
+             "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n"
+             "generate: shapes\ngenerate_args: {seed: 1, n_train: 16, n_val: 8, img_size: 96}\n")
 
 
 @pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    """A tiny built-in shapes dataset yaml (generated on first use, like the real one)."""
-    root = tmp_path_factory.mktemp("tiny")
-    yaml_file = root / "tiny.yaml"
-    yaml_file.write_text(
-        "path: shapes\ntrain: images/train\nval: images/val\n"
-        "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n"
-        "generate: shapes\ngenerate_args: {seed: 1, n_train: 16, n_val: 8, img_size: 96}\n"
-    )
-    return yaml_file
+def tiny_data(once) -> Path:
+    """A tiny built-in shapes dataset yaml (generated on first use, like the real one; shared by every worker)."""
+    return once("tiny", lambda folder: (folder / "tiny.yaml").write_text(TINY_YAML)) / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def shapes_dataset(once) -> Callable[..., Path]:
+    """``shapes_dataset(seed, n_train, n_val, img_size=96)``: the root of a generated shapes dataset (images/ and
+    labels/ with train and val), made once per test run for each set of arguments. Read-only: copy it to edit it."""
+    def get(seed: int, n_train: int, n_val: int, img_size: int = 96) -> Path:
+        from utils.data.shapes import generate_shapes
+
+        name = f"shapes-{seed}-{n_train}-{n_val}-{img_size}"
+        return once(name, lambda folder: generate_shapes(folder / "shapes", seed=seed, n_train=n_train, n_val=n_val,
+                                                         img_size=img_size)) / "shapes"
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(once, tiny_data) -> Callable[..., Run]:
+    """``reference_run(*flags, launcher="1-process", script=None, data=None)``: the folder of an undisturbed
+    ``train.py`` run on tiny_data (or ``data``) with ``flags`` after ``--project/--name`` (a helpers.Run: its folder
+    and output), trained once per test run
+    and shared by every test that compares against it (the resume, stop and preemption tests). ``script`` replaces
+    train.py (tests/scripts/nan_grad.py with its own arguments, say)."""
+    def get(*flags: object, launcher: str = "1-process", script: tuple[str, ...] | None = None,
+            data: Path | None = None) -> Run:
+        data = data or tiny_data
+        argv = [str(f) for f in flags]
+        key = hashlib.sha1(repr((launcher, script, str(data), argv)).encode()).hexdigest()[:12]
+
+        def build(folder: Path) -> None:
+            p = run([*LAUNCHERS[launcher], *(script or ("train.py",)), "--data", data, "--project", folder, "--name",
+                     "run", *argv])
+            (folder / "output.txt").write_text(p.stdout + p.stderr)
+
+        return Run(once(f"reference-{key}", build) / "run")
+
+    return get
 
 
 def _train_confident(data: Path, project: Path, cfg: str) -> Path:
@@ -85,16 +133,13 @@ def _train_confident(data: Path, project: Path, cfg: str) -> Path:
     (anchor-free head) lifted it draws boxes, some on objects, so detections and mAP are non-zero.
     """
     import re
-    import subprocess
 
     from utils.weights.checkpoint import load_checkpoint, save_checkpoint
 
     args = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0",
             "--seed", "3", "--noplots"]
     name = Path(cfg).stem
-    p = subprocess.run([PYTHON, "train.py", "--data", str(data), "--cfg", cfg, "--project", str(project), "--name",
-                        name, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run([PYTHON, "train.py", "--data", data, "--cfg", cfg, "--project", project, "--name", name, *args])
     path = project / name / "weights" / "best.pt"
     ckpt = load_checkpoint(path)
     nc = ckpt["model_yaml"]["nc"]
@@ -113,15 +158,17 @@ def _train_confident(data: Path, project: Path, cfg: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_v5n(tiny_data, tmp_path_factory) -> Path:
+def tiny_v5n(tiny_data, once) -> Path:
     """An anchor-based (YOLOv5n) tiny_data checkpoint that detects at conf 0.25 (see _train_confident)."""
-    return _train_confident(tiny_data, tmp_path_factory.mktemp("v5n"), "models/yolov5n.yaml")
+    return once("v5n", lambda folder: _train_confident(tiny_data, folder, "models/yolov5n.yaml")) / "yolov5n" / \
+        "weights" / "best.pt"
 
 
 @pytest.fixture(scope="session")
-def tiny_v8n(tiny_data, tmp_path_factory) -> Path:
+def tiny_v8n(tiny_data, once) -> Path:
     """An anchor-free (YOLOv8n) tiny_data checkpoint that detects at conf 0.25 (see _train_confident)."""
-    return _train_confident(tiny_data, tmp_path_factory.mktemp("v8n"), "models/yolov8n.yaml")
+    return once("v8n", lambda folder: _train_confident(tiny_data, folder, "models/yolov8n.yaml")) / "yolov8n" / \
+        "weights" / "best.pt"
 
 
 @pytest.fixture

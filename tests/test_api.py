@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, run_env
 from utils.core.callbacks import EVENTS, CallbackError, Callbacks
 from utils.core.errors import UserError
 from utils.weights.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ import torch
 
 from yolotrain.app import train
 from models.yolo import Model
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 from utils.core.cli import ResolvedArgs
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 from utils.core import cli as shared
 from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
 
@@ -195,7 +195,7 @@ def test_the_module_entry_point_runs_each_tool_under_its_own_name(capsys, monkey
     from yolotrain import __main__ as entry
     from yolotrain.app import coco, convert, detect, export, shards, train, tune, val, weights
 
-    assert {name: fn for name, (fn, _) in entry.TOOLS.items()} == {
+    assert {name: entry.tool_cli(name) for name in entry.TOOLS} == {
         "train": train.cli, "val": val.cli, "detect": detect.cli, "export": export.cli, "tune": tune.cli,
         "convert": convert.cli, "weights": weights.cli, "coco": coco.cli, "shards": shards.cli}
     monkeypatch.setattr(sys, "argv", ["x"])

@@ -2,15 +2,13 @@
 torch.compile's wrapper, and a compiled run trains and resumes from a mid-epoch checkpoint."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from yolotrain.app import train
 from models.yolo import Model, de_parallel
-from tests.conftest import ROOT, run_env
+from tests.helpers import DIE_AFTER_SAVE, PYTHON, RESUME, ROOT, assert_same_run, load, out, run, run_train
 from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
 from utils.engine.config import RESUME_HARMLESS
@@ -19,6 +17,7 @@ from utils.engine.setup import wrap_model
 V8N = ROOT / "models" / "yolov8n.yaml"
 
 
+@pytest.mark.slow  # compiles a model
 def test_de_parallel_unwraps_compiled_modules_and_their_keys_stay_plain(one_thread):
     torch.manual_seed(0)
     model = Model(V8N, nc=3)
@@ -48,13 +47,7 @@ def test_compile_is_a_flag_a_resume_may_switch():
     assert "compile" in RESUME_HARMLESS
 
 
-ARGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "1", "--seed", "5",
-        "--epochs", "1", "--compile"]
-BACKEND = (sys.executable, str(ROOT / "tests" / "scripts" / "compile_backend.py"), "eager")
-
-
-def _run(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*command], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+BACKEND = (PYTHON, str(ROOT / "tests" / "scripts" / "compile_backend.py"), "eager")
 
 
 @pytest.mark.slow
@@ -64,21 +57,16 @@ def test_compiled_run_resumes_from_a_mid_epoch_checkpoint_exactly(tiny_data, tmp
     torch.compile runs with the eager backend here (dynamo captures the graphs, kernels run eagerly):
     inductor's default backend compiles C++ for minutes at the first step on a small shared CPU, too slow
     for a test. Exact resume under inductor is measured in docs/training.md (--compile)."""
-    common = ("--data", str(tiny_data), "--project", str(tmp_path), *ARGS)
-    p = _run(*BACKEND, "train.py", *common, "--name", "straight")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    flags = (*RESUME, "--epochs", "1", "--compile")
+    p = run_train(BACKEND, tiny_data, tmp_path, "straight", *flags)
     assert "--compile: torch.compile on the training model" in p.stdout
-    die = str(ROOT / "tests" / "scripts" / "die_after_save.py")
-    p = _run(*BACKEND, die, "--die-at", "1:2", *common, "--name", "cut", "--save-interval", "1e-9")
-    assert p.returncode == 137, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run_train(BACKEND, tiny_data, tmp_path, "cut", *flags, "--save-interval", "1e-9",
+              script=(DIE_AFTER_SAVE, "--die-at", "1:2"), ok=None)
+    assert p.returncode == 137, out(p)[-3000:]
     last = tmp_path / "cut" / "weights" / "last.pt"
-    saved = torch.load(last, weights_only=True)
+    saved = load(last)
     assert (saved["epoch"], saved["batches_done"], saved["args"]["compile"]) == (-1, 2, True)
     assert all("_orig_mod" not in k and not k.startswith("module.") for k in saved["model"])
-    p = _run(*BACKEND, "train.py", "--resume", str(last))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run([*BACKEND, "train.py", "--resume", last])
     assert "from epoch 1, batch 3 of 1" in p.stdout and "--compile: torch.compile" in p.stdout
-    a, b = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True), torch.load(last, weights_only=True)
-    for key in ("model", "ema"):
-        different = [k for k in a[key] if not torch.equal(a[key][k], b[key][k])]
-        assert not different, f"{key}: {len(different)} tensors differ, e.g. {different[:3]}"
+    assert_same_run(tmp_path / "straight" / "weights" / "last.pt", last, epochs=1)

@@ -9,7 +9,7 @@ from utils.core.hyp import Hyp, load_hyp
 
 from utils.data.config import load_data_config
 from utils.core.errors import UserError
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_shipped_hyps_load_without_warnings(caplog):

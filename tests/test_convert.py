@@ -24,7 +24,7 @@ from torch import nn
 
 from models.heads.base import Head
 from models.yolo import Model
-from tests.conftest import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.weights.checkpoint import load_checkpoint, load_model
 from utils.weights.convert.foreign import ULTRALYTICS, YOLOV5

@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_env
-from tests.test_resume import ARGS, TORCHRUN
+from tests.helpers import PYTHON, RESUME, ROOT, TORCHRUN, run, run_env, run_train
 
 SCRIPTS = ROOT / "tests" / "scripts"
 pytestmark = pytest.mark.slow
@@ -20,21 +19,15 @@ pytestmark = pytest.mark.slow
 RUN_SECONDS = 300  # one tiny training on a GPU host: a run past this has stalled
 
 
-def _run(cmd: list, name: str, env=None) -> subprocess.CompletedProcess:
-    """A train.py run that fails the test naming the run and its last output when it stalls, instead of
-    holding the GPU checks' time to the end."""
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env or run_env(), capture_output=True, text=True, timeout=RUN_SECONDS)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"run {name!r} still running after {RUN_SECONDS} s: {' '.join(map(str, cmd))}\n"
-                    f"{out[-2000:]}\n{err[-2000:]}")
+def _run(cmd: list, env=None) -> subprocess.CompletedProcess:
+    """A run that fails the test with its last output when it stalls, instead of holding the GPU checks' time to
+    the end."""
+    return run(cmd, ok=None, env=env, timeout=RUN_SECONDS)
 
 
-def _train(tmp_path, name: str, extra=(), script=("train.py",), launcher=(sys.executable,), env=None, data=None):
-    cmd = [*launcher, *map(str, script), "--data", str(data), "--project", str(tmp_path), "--name", name, *ARGS, *extra]
-    return _run(cmd, name, env)
+def _train(tmp_path, name: str, extra=(), script=("train.py",), launcher=(PYTHON,), env=None, data=None):
+    return run_train(launcher, data, tmp_path, name, *RESUME, *extra, script=script, ok=None, env=env,
+                     timeout=RUN_SECONDS)
 
 
 def _weights(path) -> dict:
@@ -81,7 +74,7 @@ def test_exact_resume_on_cuda_under_deterministic(tiny_data, tmp_path):
     die = (SCRIPTS / "die_after_save.py", "--die-at", "2:2")
     _train(tmp_path, "cut", ["--device", "0", "--deterministic", "--save-interval", "1e-9"], script=die, data=tiny_data)
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = _run([sys.executable, "train.py", "--resume", str(last)], "resume")
+    p = _run([PYTHON, "train.py", "--resume", str(last)])
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert _same(_weights(tmp_path / "straight" / "weights" / "last.pt"), _weights(last))
 
@@ -93,7 +86,7 @@ def test_a_resume_sees_fewer_gpus_than_the_run_saved_with(tiny_data, tmp_path):
     two = {**run_env(), "CUDA_VISIBLE_DEVICES": "0,1"}
     _train(tmp_path, "cut", ["--device", "1", "--save-interval", "1e-9"], script=die, env=two, data=tiny_data)
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = _run([sys.executable, "train.py", "--resume", str(last), "--device", "0"], "resume",
+    p = _run([PYTHON, "train.py", "--resume", str(last), "--device", "0"],
              env={**run_env(), "CUDA_VISIBLE_DEVICES": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
 

@@ -474,7 +474,7 @@ def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
     import sys
 
     from models.yolo import Model
-    from tests.conftest import ROOT, run_env
+    from tests.helpers import ROOT, run_env
     from utils.weights.checkpoint import fp32_state_dict, save_checkpoint
 
     _tiny_split(tmp_path / "ds", 4, labelled=4, split="val")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import cv2
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import PYTHON, run, val_here
 from utils.core.errors import UserError
 from utils.data.convert import convert_coco, convert_voc
 
@@ -240,8 +239,8 @@ def test_voc_folder_of_xml_and_bad_xml(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "yolotrain.convert", *args], cwd=ROOT, env=run_env(),
-                          capture_output=True, text=True, timeout=120)
+    """``python -m yolotrain.convert``, the module path older commands use."""
+    return run([PYTHON, "-m", "yolotrain.convert", *args], ok=None, timeout=120)
 
 
 def test_cli_converts_and_bad_input_is_one_line_and_exit_1(tmp_path):
@@ -261,7 +260,7 @@ def test_cli_converts_and_bad_input_is_one_line_and_exit_1(tmp_path):
 
 
 @pytest.mark.slow
-def test_coco_round_trip_through_val_save_json(tmp_path, tiny_v5n):
+def test_coco_round_trip_through_val_save_json(tmp_path, tiny_v5n, restore_logger):
     """COCO json -> convert -> val.py --save-json: ground_truth.json is the source (ids, boxes to 1e-6), and
     predictions.json carries the source's ids, so pycocotools scores it against the source json directly."""
     from pycocotools.coco import COCO
@@ -279,11 +278,8 @@ def test_coco_round_trip_through_val_save_json(tmp_path, tiny_v5n):
     annotations[0]["bbox"] = [637.123456789, 477.987654321, 1.23456789, 0.98765432]  # small, far from the origin
     file = _coco(tmp_path / "coco", "val2017", images, annotations, cats)
     convert_coco(file, tmp_path / "out")
-    p = subprocess.run([sys.executable, "val.py", "--weights", str(tiny_v5n), "--data", str(tmp_path / "out/data.yaml"),
-                        "--imgsz", "64", "--batch-size", "4", "--workers", "0", "--save-json", "--noplots",
-                        "--project", str(tmp_path / "runs"), "--name", "r"], cwd=ROOT, env=run_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    val_here("--weights", tiny_v5n, "--data", tmp_path / "out/data.yaml", "--imgsz", "64", "--batch-size", "4",
+             "--workers", "0", "--save-json", "--noplots", "--project", tmp_path / "runs", "--name", "r")
     gt = json.loads((tmp_path / "runs/r/ground_truth.json").read_text())
     assert sorted(c["id"] for c in gt["categories"]) == [2, 5, 11, 40, 77, 90]
     assert {c["id"]: c["name"] for c in gt["categories"]} == {c["id"]: c["name"] for c in cats}

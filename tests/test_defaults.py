@@ -2,13 +2,11 @@
 user's data; a resumed run keeps what it recorded; the checkpoint records the size it trained at."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import train_here, val_here
 from utils.engine.config import DEMO_DATA, SIZE_DEFAULTS, size_defaults
 
 
@@ -38,19 +36,16 @@ def test_a_resumed_run_keeps_its_recorded_sizes(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_checkpoint_records_the_size_trained_at_and_val_py_uses_it(tiny_data, tmp_path):
+def test_the_checkpoint_records_the_size_trained_at_and_val_py_uses_it(tiny_data, tmp_path, capsys, restore_logger):
     """--imgsz 60 trains at 64 (the stride's multiple): last.pt says 64, and val.py scores at 64."""
-    p = subprocess.run([sys.executable, "train.py", "--data", str(tiny_data), "--imgsz", "60", "--epochs", "1",
-                        "--batch-size", "4", "--workers", "0", "--noplots", "--project", str(tmp_path), "--name", "odd"],
-                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert "Training 1 epochs of 64 px images" in p.stdout + p.stderr
-    last = tmp_path / "odd" / "weights" / "last.pt"
-    assert torch.load(last, map_location="cpu", weights_only=True)["args"]["imgsz"] == 64
-    v = subprocess.run([sys.executable, "val.py", "--weights", str(last), "--data", str(tiny_data), "--workers", "0",
-                        "--noplots", "--project", str(tmp_path)], cwd=ROOT, env=run_env(), capture_output=True,
-                       text=True, timeout=600)
-    assert v.returncode == 0 and "imgsz 64" in v.stdout + v.stderr, (v.stdout + v.stderr)[-3000:]
+    result = train_here("--data", tiny_data, "--imgsz", "60", "--epochs", "1", "--batch-size", "4", "--workers", "0",
+                        "--noplots", "--project", tmp_path, "--name", "odd")
+    captured = capsys.readouterr()
+    assert "Training 1 epochs of 64 px images" in captured.out + captured.err
+    assert torch.load(result.last, map_location="cpu", weights_only=True)["args"]["imgsz"] == 64
+    val_here("--weights", result.last, "--data", tiny_data, "--workers", "0", "--noplots", "--project", tmp_path)
+    captured = capsys.readouterr()
+    assert "imgsz 64" in captured.out + captured.err
 
 
 def test_the_start_summary_says_which_defaults_applied():

@@ -3,8 +3,6 @@ files on 1 and 2 ranks; val.py's boxes at val.py's settings; one-line errors for
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import cv2
@@ -12,24 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import PYTHON, TORCHRUN, out, run
 from utils.core.errors import UserError
 from utils.data.sources import assign_videos, letterbox_image, resolve_sources, unique_stems
 
 VIDEO_FRAMES, VIDEO_FPS = 10, 12.5
 COMMON = ["--save-txt", "--save-conf", "--batch-size", "6"]  # 3 per rank on two ranks
-
-
-def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc_per_node", str(nproc)]
-    return subprocess.run([*launcher, "detect.py", *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
-                          timeout=300)
-
-
-def _ok(p: subprocess.CompletedProcess) -> str:
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -48,9 +34,13 @@ def val_images(tiny_data) -> Path:
 
 
 @pytest.fixture(scope="module")
-def source_dir(val_images, tmp_path_factory) -> Path:
-    """The 8 val images, a truncated JPEG, a 10-frame mp4 at 12.5 fps and a video that is not one."""
-    folder = tmp_path_factory.mktemp("source")
+def source_dir(val_images, once) -> Path:
+    """The 8 val images, a truncated JPEG, a 10-frame mp4 at 12.5 fps and a video that is not one (made once per
+    test run)."""
+    return once("detect-source", lambda folder: _fill_source(folder, val_images))
+
+
+def _fill_source(folder: Path, val_images: Path) -> None:
     images = sorted(val_images.glob("*.jpg"))
     for f in images:
         (folder / f.name).write_bytes(f.read_bytes())
@@ -61,7 +51,6 @@ def source_dir(val_images, tmp_path_factory) -> Path:
     writer.release()
     (folder / "notavideo.mp4").write_text("not a video\n")
     (folder / "readme.md").write_text("ignored: neither an image nor a video\n")
-    return folder
 
 
 def _close_rows(a: bytes, b: bytes) -> bool:
@@ -73,33 +62,37 @@ def _close_rows(a: bytes, b: bytes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_v5n, source_dir, tmp_path_factory) -> tuple[str, Path]:
-    project = tmp_path_factory.mktemp("detect")
-    out = _ok(_run(["--weights", str(tiny_v5n), "--source", str(source_dir), *COMMON, "--save-crop", "--workers", "1",
-                    "--project", str(project), "--name", "one"]))
-    return out, project / "one"
+def one_rank(tiny_v5n, source_dir, once) -> tuple[str, Path]:
+    """detect.py on source_dir in one process (run once per test run): (its output, its run folder)."""
+    def build(project: Path) -> None:
+        p = run([PYTHON, "detect.py", "--weights", tiny_v5n, "--source", source_dir, *COMMON, "--save-crop",
+                 "--workers", "1", "--project", project, "--name", "one"], timeout=300)
+        (project / "output.txt").write_text(out(p))
+
+    project = once("detect-one-rank", build)
+    return (project / "output.txt").read_text(), project / "one"
 
 
 @pytest.mark.slow
 def test_folder_with_images_video_and_corrupt_files(one_rank, source_dir):
-    out, run = one_rank
-    summary = json.loads((run / "summary.json").read_text())
+    text, run_dir = one_rank
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["images"], summary["videos"], summary["frames"]) == (8, 1, VIDEO_FRAMES)
     skipped = dict(summary["skipped"])
     assert sorted(skipped) == [str(source_dir / "broken.jpg"), str(source_dir / "notavideo.mp4")]
     assert "truncated JPEG" in skipped[str(source_dir / "broken.jpg")]
     assert "cannot open video" in skipped[str(source_dir / "notavideo.mp4")]
-    assert f"skipped {source_dir / 'broken.jpg'}: truncated JPEG" in out and "2 skipped" in out
-    assert sum(summary["detections"].values()) > 0 and "Speed: " in out
+    assert f"skipped {source_dir / 'broken.jpg'}: truncated JPEG" in text and "2 skipped" in text
+    assert sum(summary["detections"].values()) > 0 and "Speed: " in text
     for f in sorted(source_dir.glob("val_*.jpg")):  # annotated copies at the original size, boxes drawn
-        drawn = cv2.imread(str(run / f.name))
+        drawn = cv2.imread(str(run_dir / f.name))
         assert drawn.shape == cv2.imread(str(f)).shape and not np.array_equal(drawn, cv2.imread(str(f)))
-    labels = sorted(p.name for p in (run / "labels").glob("*.txt"))
+    labels = sorted(p.name for p in (run_dir / "labels").glob("*.txt"))
     assert [n for n in labels if n.startswith("clip_")] == sorted(f"clip_{i}.txt" for i in range(1, VIDEO_FRAMES + 1))
-    rows = np.array([r.split() for p in (run / "labels").glob("*.txt") for r in p.read_text().splitlines()], float)
+    rows = np.array([r.split() for p in (run_dir / "labels").glob("*.txt") for r in p.read_text().splitlines()], float)
     assert rows.shape[1] == 6 and rows[:, 1:5].min() >= 0 and rows[:, 1:5].max() <= 1 and rows[:, 5].min() >= 0.25
-    assert any((run / "crops").rglob("*.jpg"))
-    video = cv2.VideoCapture(str(run / "clip.mp4"))  # plays back: frame count, rate and size kept
+    assert any((run_dir / "crops").rglob("*.jpg"))
+    video = cv2.VideoCapture(str(run_dir / "clip.mp4"))  # plays back: frame count, rate and size kept
     assert video.isOpened() and video.get(cv2.CAP_PROP_FPS) == pytest.approx(VIDEO_FPS, abs=0.01)
     frames = 0
     while True:
@@ -109,25 +102,25 @@ def test_folder_with_images_video_and_corrupt_files(one_rank, source_dir):
         assert frame.shape[:2] == (64, 80)
         frames += 1
     assert frames == VIDEO_FRAMES
-    assert not (run / "notavideo.mp4").exists() and not (run / "broken.jpg").exists()
+    assert not (run_dir / "notavideo.mp4").exists() and not (run_dir / "broken.jpg").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_two_ranks_write_the_same_files_once(one_rank, tiny_v5n, source_dir):
-    _, run = one_rank
-    two = run.parent / "two"
-    _ok(_run(["--weights", str(tiny_v5n), "--source", str(source_dir), *COMMON, "--save-crop", "--workers", "1",
-              "--project", str(run.parent), "--name", "two"], nproc=2))
-    a, b = _files(run), _files(two)
+def test_two_ranks_write_the_same_files_once(one_rank, tiny_v5n, source_dir, tmp_path):
+    _, one = one_rank
+    two = tmp_path / "two"
+    run([*TORCHRUN, "detect.py", "--weights", tiny_v5n, "--source", source_dir, *COMMON, "--save-crop", "--workers",
+         "1", "--project", tmp_path, "--name", "two"], timeout=300)
+    a, b = _files(one), _files(two)
     assert sorted(a) == sorted(b)
     labels = [k for k in a if k.endswith(".txt")]
     assert labels and all(a[k] == b[k] for k in a if k not in labels)  # images, video and crops byte for byte
     assert all(_close_rows(a[k], b[k]) for k in labels), [k for k in labels if a[k] != b[k]]  # to the last digit
-    a, b = (json.loads((d / "summary.json").read_text()) for d in (run, two))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     timing = ("speed_ms", "wall_s", "world_size", "save_dir")
     assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
-    assert b["world_size"] == 2 and sorted(p.name for p in run.parent.iterdir()) == ["one", "two"]
+    assert b["world_size"] == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["two"]  # one folder, by rank 0
 
 
 def _detect(argv: list[str]) -> dict:
@@ -140,7 +133,7 @@ def _detect(argv: list[str]) -> dict:
 @pytest.mark.slow
 def test_glob_and_txt_list_give_the_folder_run_labels(one_rank, tiny_v5n, source_dir, tmp_path, one_thread,
                                                       restore_logger):
-    _, run = one_rank
+    _, one = one_rank
     base = ["--weights", str(tiny_v5n), *COMMON, "--workers", "0", "--nosave", "--project", str(tmp_path)]
     s = _detect([*base, "--source", str(source_dir / "val_00000[0-3].jpg"), "--name", "glob"])
     assert (s["images"], s["videos"], s["skipped"]) == (4, 0, [])
@@ -151,7 +144,7 @@ def test_glob_and_txt_list_give_the_folder_run_labels(one_rank, tiny_v5n, source
     s = _detect([*base, "--source", str(lst), "--name", "list"])
     assert (s["images"], s["skipped"]) == (3, [[str(tmp_path / "missing.jpg"), f"listed in {lst} but not found"]])
     got = {**_files(tmp_path / "glob"), **_files(tmp_path / "list")}
-    assert got and got == {k: v for k, v in _files(run).items() if k in got}
+    assert got and got == {k: v for k, v in _files(one).items() if k in got}
     assert sorted(got) == [f"labels/val_00000{i}.txt" for i in (0, 1, 2, 3, 5, 6, 7)]  # --nosave: labels only
 
 
@@ -212,9 +205,9 @@ def test_onnx_without_metadata_is_one_clear_error(source_dir, tmp_path, capsys, 
 
 @pytest.mark.slow
 def test_missing_source_exits_1_with_one_line(tiny_v5n, tmp_path):
-    p = _run(["--weights", str(tiny_v5n), "--source", str(tmp_path / "nope.jpg")])
-    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr
-    assert (p.stdout + p.stderr).strip() == f"ERROR: {tmp_path / 'nope.jpg'}: does not exist"
+    p = run([PYTHON, "detect.py", "--weights", tiny_v5n, "--source", tmp_path / "nope.jpg"], ok=False)
+    assert p.returncode == 1 and "Traceback" not in out(p)
+    assert out(p).strip() == f"ERROR: {tmp_path / 'nope.jpg'}: does not exist"
 
 
 # ---------------------------------------------------------------- library units
@@ -283,6 +276,7 @@ def test_cli_numbers_are_range_checked():
     assert check_numeric_flags(parser) == [] and check_defaults(parser) == []
 
 
+@pytest.mark.slow  # trains tiny_v8n when no test has
 def test_half_on_cpu_runs_a_checkpoint_in_bf16_near_fp32(tiny_v8n, val_images, one_thread):
     """detect.py --half on CPU: bf16 autocast for a checkpoint (an export keeps its own precision);
     boxes, decoded in fp32, stay within a pixel of fp32 inference's and scores within 0.02. (The

@@ -202,7 +202,7 @@ def test_an_epoch_on_a_gpu_with_each_augmentation_path(tiny_data, tmp_path, wher
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, run_env
+    from tests.helpers import ROOT, run_env
 
     cmd = [sys.executable, "train.py", "--data", str(tiny_data), "--device", "0", "--augment-on", where, "--epochs",
            "2", "--imgsz", "64", "--batch-size", "8", "--workers", "2", "--project", str(tmp_path), "--name", where,
@@ -222,7 +222,7 @@ def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
 
     import yaml
 
-    from tests.conftest import ROOT, run_env
+    from tests.helpers import ROOT, run_env
 
     hyp = yaml.safe_load((ROOT / "hyps" / "hyp.v8.yaml").read_text())
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump({**hyp, "close_mosaic": 0, "mixup": 0.5}))

@@ -15,7 +15,7 @@ from torch import nn
 
 from models.heads.dfl_loss import AnchorGrid, DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
 from models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.test_tal import CASES, ref_assign, ref_ciou, ref_gts
 from utils.core.hyp import OPTIONAL_HYP, Hyp, load_hyp
 

@@ -11,7 +11,7 @@ import torch
 from utils.core import dist
 from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 
 
 def test_single_process_defaults(monkeypatch):

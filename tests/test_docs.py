@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, run_env
-from tests.test_resume import ARGS, TORCHRUN
+from tests.helpers import RESUME, ROOT, TORCHRUN, run_env
 from utils.engine.loop import FP16_OVERFLOW_PATIENCE, LoopState, optimizer_step, scaler_absorbs
 from utils.engine.optim import ModelEMA, smart_optimizer
 from utils.engine.recover import NanRecovery
@@ -91,7 +89,7 @@ def test_every_rank_validates_with_rank_0s_ema(tiny_data, tmp_path):
         out = tmp_path / f"hashes-{sync}.jsonl"
         env = {**run_env(), "EMA_HASHES": str(out), "EMA_NO_SYNC": "0" if sync else "1"}
         p = subprocess.run([*TORCHRUN, EMA_RANKS, "--data", str(tiny_data), "--project", str(tmp_path), "--name",
-                            f"ema-{sync}", *ARGS[:-1], "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            f"ema-{sync}", *RESUME[:-1], "2"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         hashes[sync] = [json.loads(line) for line in out.read_text().splitlines()]

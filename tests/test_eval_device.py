@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.yolo import Model
-from tests.conftest import write_val_split
+from tests.helpers import write_val_split
 from utils.core.boxes import non_max_suppression
 from utils.core.dist import DistInfo
 from utils.data.config import load_data_config, prepare_dataset

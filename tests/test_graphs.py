@@ -14,8 +14,7 @@ import torch
 from models.heads.base import PackedCriterion
 from models.heads.tal import pack_targets
 from models.yolo import Model
-from tests.conftest import ROOT, run_env
-from tests.test_resume import TORCHRUN
+from tests.helpers import ROOT, TORCHRUN, run_env
 from utils.core.hyp import Hyp
 from utils.engine.config import RESUME_HARMLESS
 from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problem, slots_for
@@ -49,6 +48,7 @@ def test_cuda_graphs_is_a_flag_a_resume_may_switch():
     assert "cuda_graphs" in RESUME_HARMLESS
 
 
+@pytest.mark.slow  # a subprocess
 def test_train_on_a_cpu_refuses_cuda_graphs_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "train.py", "--cuda-graphs", "--device", "cpu", "--epochs", "1",
                         "--project", str(tmp_path)], cwd=ROOT, env=run_env(), capture_output=True, text=True,
@@ -112,6 +112,8 @@ def test_step_loss_without_graphs_is_the_model_then_the_loss():
     assert torch.equal(loss, want) and torch.equal(items, want_items)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["yolov8n", "yolov5n"])
 def test_two_ranks_reduce_what_the_graphed_unit_computes(tmp_path, name):
     """--cuda-graphs under torchrun (gloo, the capture replaced by the eager forward: tests/scripts/graphs_ranks.py):

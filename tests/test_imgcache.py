@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 from utils.data import imgcache
 from utils.data.augment import resize_long_side
 from utils.core.errors import UserError

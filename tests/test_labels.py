@@ -336,7 +336,7 @@ def test_train_py_refuses_a_split_without_labels(tmp_path):
     import subprocess
     import sys
     import time
-    from tests.conftest import ROOT, run_env
+    from tests.helpers import ROOT, run_env
 
     data, t0 = _misnamed_dataset(tmp_path), time.time()
     p = subprocess.run([sys.executable, "train.py", "--data", str(data), "--project", str(tmp_path / "runs"),
@@ -354,7 +354,7 @@ def test_torchrun_refuses_a_split_without_labels_on_every_rank(tmp_path):
     import subprocess
     import sys
     import time
-    from tests.conftest import ROOT, run_env
+    from tests.helpers import ROOT, run_env
 
     data, t0 = _misnamed_dataset(tmp_path), time.time()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 ORDER = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine",
          "utils.infer", "yolotrain.app", "yolotrain")  # each may import those before it; infer skips engine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import write_val_split
+from tests.helpers import write_val_split
 from utils.core import cpu
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp

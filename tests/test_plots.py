@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 from utils.eval import plots
 from utils.core.logging import LOGGER
 from utils.eval.metrics import ConfusionMatrix, evaluate, match_image
@@ -216,6 +216,7 @@ def test_plot_labels_accepts_empty_images_and_no_labels(tmp_path):
 
 
 # ------------------------------------------------------------------ no global side effects
+@pytest.mark.slow  # a subprocess
 def test_import_and_use_leave_matplotlib_backend_alone(tmp_path):
     code = f"""
 import sys

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.data import remote
 from utils.data.shardcache import BUDGET_ENV
@@ -157,6 +157,7 @@ def test_missing_credentials_fail_at_the_start(server, monkeypatch):
         remote.read("s3://empty/train.index/index.json")
 
 
+@pytest.mark.slow  # waits out a store's patience
 def test_a_store_gone_stops_with_the_object_and_the_endpoint(server, tiny_data, tmp_path, monkeypatch, capsys,
                                                              restore_logger):
     out = tmp_path / "shards"
@@ -220,6 +221,7 @@ class Endpoint:
                     pass
 
 
+@pytest.mark.slow  # waits for a store to come back
 def test_a_store_back_within_the_patience_serves_the_read(server, tiny_data, tmp_path, monkeypatch, capsys,
                                                          restore_logger):
     out = tmp_path / "shards"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PYTHON, ROOT, run_env
+from tests.helpers import train_here
 from utils.core.errors import UserError
 from utils.data.config import load_data_config
 from utils.data.dataset import LoadImagesAndLabels
@@ -115,15 +114,14 @@ def test_a_split_reads_its_index_and_refuses_what_it_cannot_do(tmp_path, restore
 
 
 @pytest.mark.slow
-def test_training_from_shards_is_training_from_the_folder(tiny_data, tmp_path, restore_logger):
+def test_training_from_shards_is_training_from_the_folder(tiny_data, tmp_path, capsys, restore_logger):
     out = _make(tiny_data, tmp_path / "shards")
     flags = ["--cfg", "models/yolov8n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size",
              "4", "--workers", "1", "--seed", "3", "--noplots", "--project", str(tmp_path / "runs")]
     for name, data in (("folder", tiny_data), ("shards", out / "data.yaml")):
-        p = subprocess.run([PYTHON, "train.py", "--data", str(data), *flags, "--name", name], cwd=ROOT, env=run_env(),
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-    assert "(from the shard index)" in p.stdout
+        capsys.readouterr()
+        train_here("--data", data, *flags, "--name", name)
+    assert "(from the shard index)" in capsys.readouterr().out
     a, b = (torch.load(tmp_path / "runs" / n / "weights" / "last.pt", weights_only=True) for n in ("folder", "shards"))
     for part in ("model", "ema"):  # the optimizer is stripped from a finished run
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])

@@ -3,8 +3,6 @@ listener's request (TrainEvent.request_stop)."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -12,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import ROOT, run_env
-from tests.test_resume import ARGS, TORCHRUN
+from tests.helpers import NAN_GRAD, PYTHON, RESUME, assert_same_run, load, out, run, run_env, run_train, train_here
 from utils.core.dist import DistInfo
 from utils.data.loader import TrainSampler
 from utils.engine.budget import TimeBudget
@@ -22,7 +19,6 @@ from utils.engine.optim import LRSchedule, ModelEMA, Warmup, lr_lambda, smart_op
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunState
 
-NAN_GRAD = str(ROOT / "tests" / "scripts" / "nan_grad.py")
 
 
 # ---------------------------------------------------------------- --nan-recover
@@ -89,61 +85,53 @@ def test_nan_recovery_before_any_step_keeps_the_starting_state():
     assert not optimizer.state  # the first step's lazily made buffers are gone too
 
 
-def _train(launcher, data, project, name, extra=(), script=("train.py",)):
-    return subprocess.run([*launcher, *script, "--data", str(data), "--project", str(project), "--name", name,
-                           *ARGS, *extra], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def rolled_back(reference_run):
+    """``rolled_back(kind)``: a run whose third backward (on the last rank) gives a NaN gradient, with
+    --nan-recover 2 (made once per test run)."""
+    return lambda kind: reference_run(*RESUME, "--nan-recover", "2", launcher=kind, script=(NAN_GRAD, "3"))
 
 
+@pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("launcher", [[sys.executable], TORCHRUN], ids=["1-process", "2-process"])
-def test_a_diverged_step_is_rolled_back_and_training_ends_normally(tiny_data, tmp_path, launcher):
-    p = _train(launcher, tiny_data, tmp_path, "nan", ["--nan-recover", "2"], script=(NAN_GRAD, "3"))
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    assert "the loss became NaN/inf on rank(s)" in out
-    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out
-    assert "recovery 2/2" not in out
-    last = torch.load(tmp_path / "nan" / "weights" / "last.pt", weights_only=True)
+@pytest.mark.parametrize("kind", ["1-process", "2-process"])
+def test_a_diverged_step_is_rolled_back_and_training_ends_normally(rolled_back, kind):
+    run = rolled_back(kind)
+    assert "the loss became NaN/inf on rank(s)" in run.output
+    assert "recovery 1/2: rolled back to the state before the last optimizer step" in run.output
+    assert "recovery 2/2" not in run.output
+    last = load(run.last)
     assert all(v.isfinite().all() for v in last["model"].values() if v.is_floating_point())
     assert all(v.isfinite().all() for v in last["ema"].values() if v.is_floating_point())
 
 
-def test_a_resumed_run_rolls_back_as_the_uninterrupted_one(tiny_data, tmp_path):
+@pytest.mark.slow
+def test_a_resumed_run_rolls_back_as_the_uninterrupted_one(tiny_data, tmp_path, rolled_back):
     """Stopped (SIGUSR1, sent during the NaN backward, agreed at that batch's optimizer step) at the step whose
     gradient was NaN, the run saves NaN weights; the resumed run must roll that step back as the uninterrupted
     run does and end with the same bits."""
-    ref = _train([sys.executable], tiny_data, tmp_path, "ref", ["--nan-recover", "2"], script=(NAN_GRAD, "3"))
-    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
-    cut = subprocess.run([sys.executable, NAN_GRAD, "3", "--data", str(tiny_data), "--project", str(tmp_path), "--name",
-                          "cut", *ARGS, "--nan-recover", "2"], cwd=ROOT, env=dict(run_env(), NAN_GRAD_USR1_AT="3"),
-                         capture_output=True, text=True, timeout=600)
-    out = cut.stdout + cut.stderr
-    assert cut.returncode == 75 and "at epoch 1, batch 3/4" in out, out[-3000:]  # saved right after the NaN step
+    cut = run_train([PYTHON], tiny_data, tmp_path, "cut", *RESUME, "--nan-recover", "2", script=(NAN_GRAD, "3"),
+                env=run_env(NAN_GRAD_USR1_AT="3"), ok=None)
+    assert cut.returncode == 75 and "at epoch 1, batch 3/4" in out(cut), out(cut)[-3000:]  # saved right after the NaN step
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = subprocess.run([sys.executable, NAN_GRAD, "0", "--resume", str(last)], cwd=ROOT, env=run_env(),
-                       capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out
-    a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)
-    b = torch.load(last, weights_only=True)
-    for key in ("model", "ema"):
-        assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), key
+    p = run([PYTHON, NAN_GRAD, "0", "--resume", last])
+    assert "recovery 1/2: rolled back to the state before the last optimizer step" in out(p)
+    assert_same_run(rolled_back("1-process").last, last)
 
 
+@pytest.mark.slow
 def test_recoveries_run_out_and_the_run_stops_with_the_reason(tiny_data, tmp_path):
-    p = _train([sys.executable], tiny_data, tmp_path, "nan", ["--nan-recover", "1"], script=(NAN_GRAD, "3,8"))
-    out = p.stdout + p.stderr
-    assert p.returncode == 1, out[-3000:]
-    assert "recovery 1/1: rolled back" in out
-    assert "all 1 --nan-recover recoveries are used" in out
-    assert "Traceback" not in out
+    p = run_train([PYTHON], tiny_data, tmp_path, "nan", *RESUME, "--nan-recover", "1", script=(NAN_GRAD, "3,8"), ok=False)
+    assert p.returncode == 1, out(p)[-3000:]
+    assert "recovery 1/1: rolled back" in out(p)
+    assert "all 1 --nan-recover recoveries are used" in out(p)
+    assert "Traceback" not in out(p)
 
 
+@pytest.mark.slow
 def test_without_the_option_a_non_finite_loss_stops_and_points_to_it(tiny_data, tmp_path):
-    p = _train([sys.executable], tiny_data, tmp_path, "nan", script=(NAN_GRAD, "3"))
-    out = p.stdout + p.stderr
-    assert p.returncode == 1 and "the loss became NaN/inf" in out and "--nan-recover N" in out
+    p = run_train([PYTHON], tiny_data, tmp_path, "nan", *RESUME, script=(NAN_GRAD, "3"), ok=False)
+    assert p.returncode == 1 and "the loss became NaN/inf" in out(p) and "--nan-recover N" in out(p)
 
 
 # ---------------------------------------------------------------- --time
@@ -227,28 +215,30 @@ def test_the_lr_schedule_is_the_only_writer_of_learning_rates():
     assert run(resume_at=2) == straight
 
 
-def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path):
-    p = _train([sys.executable], tiny_data, tmp_path, "budget", ["--time", "0.0001", "--save-period", "1"])
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    assert "--time 0.0001 h: 1 epochs fit" in out and "1 epochs completed" in out
-    run = tmp_path / "budget"
-    last = torch.load(run / "weights" / "last.pt", weights_only=True)
+@pytest.mark.slow
+def test_time_budget_ends_the_run_like_a_normal_end(tiny_data, tmp_path, capsys, restore_logger):
+    train_here("--data", tiny_data, "--project", tmp_path, "--name", "budget", *RESUME, "--time", "0.0001",
+               "--save-period", "1")
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "--time 0.0001 h: 1 epochs fit" in text and "1 epochs completed" in text
+    run_dir = tmp_path / "budget"
+    last = torch.load(run_dir / "weights" / "last.pt", weights_only=True)
     assert last["epoch"] == 0 and last["args"]["epochs"] == 1 and "optimizer" not in last  # finished, stripped
-    assert (run / "weights" / "best.pt").exists() and (run / "results.png").exists()
-    assert len((run / "results.csv").read_text().strip().splitlines()) == 2  # header + the one epoch
-    assert "python val.py --weights" in out
+    assert (run_dir / "weights" / "best.pt").exists() and (run_dir / "results.png").exists()
+    assert len((run_dir / "results.csv").read_text().strip().splitlines()) == 2  # header + the one epoch
+    assert "python val.py --weights" in text
 
 
 def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
     """The requeued command repeats --epochs, which only planned a --time run's first epoch: the resume
     neither refuses it (fewer than the epochs done) nor trains to it."""
-    from yolotrain.app import train
-    saved = vars(train.build_parser().parse_args(["--time", "1", "--epochs", "2"]))
+    from yolotrain.app import train as tool
+    saved = vars(tool.build_parser().parse_args(["--time", "1", "--epochs", "2"]))
     saved.update(epochs=40, resume=False)  # the count --time had refitted when the run was saved
     torch.save({"args": saved, "optimizer": {}, "epoch": 5, "model_yaml": {}, "model": {}}, tmp_path / "last.pt")
-    opt = train.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
-    assert resolve_resume(opt, vars(train.build_parser().parse_args([]))).args.epochs == 40
+    opt = tool.build_parser().parse_args(["--time", "1", "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
+    assert resolve_resume(opt, vars(tool.build_parser().parse_args([]))).args.epochs == 40
 
 
 # ---------------------------------------------------------------- a listener's request
@@ -256,14 +246,12 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
 def test_a_listener_s_request_ends_the_run_after_that_epoch(tiny_data, tmp_path, one_thread, restore_logger):
     """TrainEvent.request_stop (tune.py's pruner asks through it): the run ends after the epoch it was asked in,
     its checkpoint written, as a normal end."""
-    from yolotrain.app import train
     from utils.core.callbacks import Callbacks
 
     callbacks = Callbacks()
     callbacks.add("on_fit_epoch_end", lambda e: e.request_stop("enough") if e.epoch == 0 else None)
-    opt = train.parse_opt(["--data", str(tiny_data), *ARGS, "--workers", "0", "--project", str(tmp_path),
-                           "--name", "asked"])
-    result = train.main(opt, callbacks)
+    result = train_here("--data", tiny_data, *RESUME, "--workers", "0", "--project", tmp_path, "--name", "asked",
+                        callbacks=callbacks)
     assert (result.stop, result.epochs) == ("requested", 1)
     assert len((tmp_path / "asked" / "results.csv").read_text().strip().splitlines()) == 2  # header + epoch 1
     assert torch.load(result.last, weights_only=True)["epoch"] == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from yolotrain.app import train
-from tests.conftest import ROOT, run_env
+from tests.helpers import ROOT, run_env
 from utils.core.callbacks import Callbacks
 from utils.core.dist import DistInfo
 from utils.core.errors import Preempted, UserError

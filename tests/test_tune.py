@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
 from utils.engine.recipe import RECIPES
@@ -344,6 +344,7 @@ def test_space_refusals_name_file_and_key(tmp_path, text, words):
     assert str(path) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
+@pytest.mark.slow  # a subprocess
 def test_missing_optuna_is_one_line(data, tmp_path):
     code = "import sys; sys.modules['optuna'] = None; import tune; sys.exit(tune.cli(sys.argv[1:]))"
     p = subprocess.run([PYTHON, "-c", code, "--data", str(data), "--project", str(tmp_path)], cwd=ROOT,

@@ -6,8 +6,6 @@ import contextlib
 import io
 import json
 import re
-import subprocess
-import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -18,70 +16,39 @@ import torch
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from tests.conftest import ROOT, run_env
+from tests.helpers import PYTHON, TORCHRUN, run, val_here
 
 pytestmark = pytest.mark.slow  # subprocess training runs: `pytest -m 'not slow'` skips them
 
 
 NAMES = ["circle", "square", "triangle", "star", "cross", "ring"]  # conftest's tiny_data
-TRAIN = ["--cfg", "models/yolov5n.yaml", "--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "3"]
 # 8 val images, a global batch of 12: one batch of 8 on 1 rank; 6 + 2 on 2 ranks; on 3 ranks rank 0 gets no
 # batch and ranks 1 and 2 four images each. Rect shapes follow the global batch, so every image has one shape.
 VAL = ["--batch-size", "12", "--workers", "0"]
 
 
-def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc_per_node", str(nproc)]
-    return subprocess.run([*launcher, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(p: subprocess.CompletedProcess) -> str:
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
-
-
-def _confident(ckpt_path: Path) -> None:
-    """Raise the Detect biases of a 1-epoch checkpoint so it detects with conf > 0.25.
-
-    One epoch from scratch scores mAP 0 and has nothing above the confusion-matrix threshold;
-    with objectness and class scores lifted, its boxes hit some objects, so mAP, P, R and the
-    matrix are non-zero and there are hundreds of detections to write and compare.
-    """
-    from utils.weights.checkpoint import load_checkpoint, save_checkpoint
-
-    ckpt = load_checkpoint(ckpt_path)
-    no = ckpt["model_yaml"]["nc"] + 5
-    for state in (ckpt["model"], ckpt["ema"]):
-        heads = [k for k in state if re.fullmatch(r"model\.\d+\.m\.\d+\.bias", k) and state[k].numel() == 3 * no]
-        assert len(heads) == 3, heads
-        for k in heads:
-            b = state[k].view(3, no)
-            b[:, 4] += 6.0  # objectness
-            b[:, 5:] += 2.0  # class scores
-    save_checkpoint(ckpt, ckpt_path)
+@pytest.fixture(scope="module")
+def weights(tiny_v5n) -> Path:
+    """A YOLOv5n checkpoint of one tiny epoch, its biases raised so it detects: mAP, P, R and the confusion matrix
+    are non-zero and there are hundreds of detections to write and compare (conftest's tiny_v5n)."""
+    return tiny_v5n
 
 
 @pytest.fixture(scope="module")
-def weights(tiny_data, tmp_path_factory) -> Path:
-    runs = tmp_path_factory.mktemp("train")
-    _ok(_run(["train.py", "--data", str(tiny_data), "--project", str(runs), "--name", "t", *TRAIN]))
-    path = runs / "t" / "weights" / "best.pt"
-    _confident(path)
-    return path
+def val_runs(weights, tiny_data, once) -> dict[int, tuple[str, Path]]:
+    """The same val.py command on 1, 2 and 3 ranks, saving everything, all with --name exp (run once per test
+    run)."""
+    def build(project: Path) -> None:
+        for n in (1, 2, 3):
+            save_conf = ["--save-conf"] if n != 2 else []  # world size 2 writes 5-column label rows
+            launcher = [PYTHON] if n == 1 else [*TORCHRUN[:-1], str(n)]
+            p = run([*launcher, "val.py", "--weights", weights, "--data", tiny_data, *VAL, "--verbose", "--save-json",
+                     "--save-txt", *save_conf, "--project", project / "runs"], timeout=300)
+            (project / f"stdout{n}.txt").write_text(p.stdout)
 
-
-@pytest.fixture(scope="module")
-def val_runs(weights, tiny_data, tmp_path_factory) -> dict[int, tuple[str, Path]]:
-    """The same val.py command on 1, 2 and 3 ranks, saving everything, all with --name exp."""
-    project = tmp_path_factory.mktemp("val")
-    out = {}
-    for n in (1, 2, 3):
-        save_conf = ["--save-conf"] if n != 2 else []  # world size 2 writes 5-column label rows
-        stdout = _ok(_run(["val.py", "--weights", str(weights), "--data", str(tiny_data), *VAL, "--verbose",
-                           "--save-json", "--save-txt", *save_conf, "--project", str(project)], nproc=n))
-        out[n] = stdout, project / ("exp" if n == 1 else f"exp{n}")
-    return out
+    project = once("val-world-sizes", build)
+    return {n: ((project / f"stdout{n}.txt").read_text(), project / "runs" / ("exp" if n == 1 else f"exp{n}"))
+            for n in (1, 2, 3)}
 
 
 def _metric_lines(stdout: str) -> list[str]:
@@ -174,9 +141,12 @@ def test_save_txt_rows_are_the_json_boxes_normalised_to_the_original_image(val_r
         np.testing.assert_allclose(rows[:, 5], [p["score"] for p in mine], rtol=1e-5)
 
 
-def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path):
+def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path, capsys, restore_logger):
+    from yolotrain.app import coco
+
     out = tmp_path / "gt.json"
-    stdout = _ok(_run(["-m", "yolotrain", "coco", "--data", str(tiny_data), "--task", "val", "--out", str(out)]))
+    assert coco.cli(["--data", str(tiny_data), "--task", "val", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
     gt = json.loads(out.read_text())
     label_rows = sum(len(f.read_text().split("\n")) - 1 for f in (tiny_data.parent / "shapes" / "labels" / "val").glob("*.txt"))
     assert (len(gt["images"]), len(gt["annotations"]), len(gt["categories"])) == (8, label_rows, len(NAMES))
@@ -188,12 +158,15 @@ def test_coco_export_cli_matches_val_ground_truth(val_runs, tiny_data, tmp_path)
     assert gt == json.loads((val_runs[1][1] / "ground_truth.json").read_text())  # same ids as val.py's
 
 
-def test_coco_export_broken_yaml_is_one_clear_error(tmp_path):
+def test_coco_export_broken_yaml_is_one_clear_error(tmp_path, capsys, restore_logger):
+    from yolotrain.app import coco
+
     data = tmp_path / "bad.yaml"
     data.write_text("train: [images/train\nval: images/val\nnames: [a]\n")
-    p = _run(["-m", "yolotrain", "coco", "--data", str(data), "--out", str(tmp_path / "gt.json")])
-    out = (p.stdout + p.stderr).strip()
-    assert p.returncode == 1 and "Traceback" not in out
+    assert coco.cli(["--data", str(data), "--out", str(tmp_path / "gt.json")]) == 1
+    captured = capsys.readouterr()
+    out = (captured.out + captured.err).strip()
+    assert "Traceback" not in out
     assert out.splitlines() == [out] and out.startswith(f"ERROR: {data}: not valid yaml"), out
     assert not (tmp_path / "gt.json").exists()
 
@@ -210,9 +183,11 @@ def test_coco_export_bad_input_names_the_file(case, tiny_data, tmp_path, capsys,
     assert not (tmp_path / "gt.json").exists()
 
 
-def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_data, tmp_path):
-    stdout = _ok(_run(["val.py", "--weights", str(weights), "--data", str(tiny_data), *VAL, "--task", "speed",
-                       "--save-json", "--project", str(tmp_path / "runs")]))
+def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_data, tmp_path, capsys,
+                                                                restore_logger):
+    val_here("--weights", weights, "--data", tiny_data, *VAL, "--task", "speed", "--save-json", "--project",
+             tmp_path / "runs")
+    stdout = capsys.readouterr().out
     assert "conf 0.25, IoU 0.45" in stdout
     assert re.search(r"^Speed: [\d.]+ms pre-process, [\d.]+ms inference, [\d.]+ms NMS per image at shape \(12, 3, 64, 64\)$",
                      stdout, re.M)
@@ -329,10 +304,10 @@ def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_pa
     assert result.confusion is not None and result.confusion[:, :-1].sum(0).tolist() == m.nt.tolist()
 
 
-def test_several_checkpoints_on_one_split_share_one_loader(weights, tiny_data):
+def test_several_checkpoints_on_one_split_share_one_loader(weights, tiny_data, capsys, restore_logger):
     """No second label read and no workers forked from a process already holding a validation."""
-    stdout = _ok(_run(["val.py", "--weights", str(weights), str(weights), "--data", str(tiny_data),
-                       "--batch-size", "5", "--workers", "1", "--noplots"]))
+    val_here("--weights", weights, weights, "--data", tiny_data, "--batch-size", "5", "--workers", "1", "--noplots")
+    stdout = capsys.readouterr().out
     assert len(re.findall(r"Scanning", stdout)) == 1, stdout
     results = re.findall(r"^Results: .*$", stdout, re.M)
     assert len(results) == 2 and results[0] == results[1]

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -14,22 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_env
-from tests.test_resume import ARGS, TORCHRUN, _wait_until_gone
+from tests.helpers import PYTHON, RESUME, ROOT, TORCHRUN, run, run_env, run_train, wait_until_gone
 from utils.core import watchdog
 from utils.core.errors import EXIT_HUNG, EXIT_PREEMPTED
 from utils.core.watchdog import Watchdog
 
 SCRIPTS = ROOT / "tests" / "scripts"
 HANG_MIN = 0.2  # --hang-timeout in the training runs: above any quiet stretch of a tiny run on a busy CPU
-HANG = ["--epochs", "2", "--noplots", "--hang-timeout", str(HANG_MIN)]  # after ARGS: the last --epochs counts
+HANG = ["--epochs", "2", "--noplots", "--hang-timeout", str(HANG_MIN)]  # after RESUME: the last --epochs counts
 
 
 def _python(code: str) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``code`` in a fresh interpreter (a firing watchdog ends its process); returns it and its seconds."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=run_env(), capture_output=True,
-                       text=True, timeout=60)
+    p = run([PYTHON, "-c", textwrap.dedent(code)], ok=None, timeout=60)
     return p, time.monotonic() - t0
 
 
@@ -43,6 +40,7 @@ def test_the_exit_code_is_its_own():
     assert EXIT_HUNG not in (0, 1, 2, EXIT_PREEMPTED)  # 75 asks the scheduler to requeue; a hang is a fault
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_stalled_phase_names_itself_and_its_rank_then_exits():
     p, seconds = _python("""
         import time
@@ -59,6 +57,7 @@ def test_a_stalled_phase_names_itself_and_its_rank_then_exits():
     assert seconds < 20
 
 
+@pytest.mark.slow  # a subprocess
 def test_progress_keeps_it_alive_and_stop_ends_the_thread():
     p, _ = _python("""
         import threading, time
@@ -124,8 +123,8 @@ def test_a_stalled_loader_worker_names_the_loader_and_ends_the_run(tiny_data, tm
     log = tmp_path / "output.txt"  # a file, not a pipe: a worker left alive must not keep the test waiting
     t0 = time.monotonic()
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, str(SCRIPTS / "stall_worker.py"), "--data", str(tiny_data), "--project",
-                            str(tmp_path), "--name", "stall", *ARGS, *HANG], cwd=ROOT, env=run_env(), stdout=f,
+        p = subprocess.run([PYTHON, str(SCRIPTS / "stall_worker.py"), "--data", str(tiny_data), "--project",
+                            str(tmp_path), "--name", "stall", *RESUME, *HANG], cwd=ROOT, env=run_env(), stdout=f,
                            stderr=subprocess.STDOUT, timeout=300)
     seconds = time.monotonic() - t0
     out = log.read_text()
@@ -147,15 +146,13 @@ def test_a_stalled_rank_and_the_rank_waiting_on_it_both_name_their_phase(tiny_da
     rank's watchdog names its own phase (rank 1 waits a grace before exiting, so rank 0 reports
     before its connection breaks) and the job ends non-zero, rank 1 with code 124."""
     t0 = time.monotonic()
-    p = subprocess.run([*TORCHRUN, str(SCRIPTS / "stall_rank1.py"), "--data", str(tiny_data), "--project",
-                        str(tmp_path), "--name", "stall", *ARGS, *HANG], cwd=ROOT, env=run_env(),
-                       capture_output=True, text=True, timeout=300)
+    p = run_train(TORCHRUN, tiny_data, tmp_path, "stall", *RESUME, *HANG, script=(SCRIPTS / "stall_rank1.py",),
+                  ok=False, timeout=300)
     seconds = time.monotonic() - t0
     out = p.stdout + p.stderr
-    assert p.returncode != 0, out[-4000:]
     assert _report(1, "phase 'step' (epoch 1, batch 2)").search(out), out[-4000:]
     assert _report(0, "phase 'step > collective all_reduce_sum' (epoch 1, batch 2)").search(out), out[-4000:]
     stalled = rf"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: {EXIT_HUNG}\b"  # torchrun's failure summary
     assert re.search(stalled, out), out[-2000:]
     assert seconds < HANG_MIN * 60 * 1.5 + 60  # timeout + grace + the seconds the run takes
-    _wait_until_gone(str(tmp_path / "stall"))
+    wait_until_gone(str(tmp_path / "stall"))

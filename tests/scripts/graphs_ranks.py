@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from models.yolo import Model
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from utils.core import dist
 from utils.core.hyp import Hyp
 from utils.engine.graphs import MIN_SLOTS, StepLoss
