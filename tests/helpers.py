@@ -167,3 +167,62 @@ def write_val_split(root: Path, n: int, hw: tuple[int, int], shade) -> Path:
         cv2.imwrite(str(imgs / f"{k}.jpg"), np.full((*hw, 3), shade(k), np.uint8))
         (lbls / f"{k}.txt").write_text("0 0.5 0.5 0.4 0.4\n")
     return imgs
+
+
+# ---------------------------------------------------------------- model tests (the four model families' files)
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_cfg(tmp_path: Path, d: dict | str, name: str = "bad.yaml") -> Path:
+    """A model yaml (a dict dumped, or text as it is) in ``tmp_path``."""
+    import yaml
+    p = tmp_path / name
+    p.write_text(d if isinstance(d, str) else yaml.safe_dump(d))
+    return p
+
+
+def raises_user_error(cfg: Path | dict | str, *fragments: str) -> str:
+    """Building ``cfg`` is refused with a UserError naming every fragment; returns its message."""
+    import pytest
+
+    from models.yolo import Model
+    from utils.core.errors import UserError
+    with pytest.raises(UserError) as e:
+        Model(cfg)
+    msg = str(e.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return msg
+
+
+def randomize_bn(model):
+    """Non-trivial BN statistics and affine terms, so fusing has something to fold; returns the model."""
+    from torch import nn
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.5, 0.5)
+            mod.running_var.uniform_(0.5, 2.0)
+            mod.weight.data.uniform_(0.5, 1.5)
+            mod.bias.data.uniform_(-0.2, 0.2)
+    return model
+
+
+def assert_fused_copy_matches(model):
+    """A fused copy of an end-to-end model gives its detections and both branches' raw levels; returns the copy."""
+    import copy
+
+    import torch
+    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))
+    fused = copy.deepcopy(model).fuse()
+    with torch.no_grad():
+        (a, ra), (b, rb) = model(x), fused(x)
+    # the same detections, in any order among equal scores: an untrained head scores neighbouring anchors
+    # alike, and rounding (fused or not, per CPU) can swap two such rows in the top-k
+    for p, q in zip(a, b):
+        gap = (p[:, None, :] - q[None, :, :]).abs().amax(-1)  # every row of one against every row of the other
+        assert len(p) == len(q) and (gap.amin(1) < 1e-4).all() and (gap.amin(0) < 1e-4).all()
+    for key in ("one2many", "one2one"):
+        for p, q in zip(ra[key], rb[key]):
+            assert torch.allclose(p, q, atol=1e-4)
+    return fused

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, TORCHRUN, run, run_env
 from utils.core.callbacks import EVENTS, CallbackError, Callbacks
 from utils.core.errors import UserError
 from utils.weights.checkpoint import load_checkpoint
@@ -193,10 +192,7 @@ def test_a_rank_s_error_is_raised_with_its_message(tmp_path, restore_logger):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_inside_torchrun_the_api_trains_on_that_group(tiny_data, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "tests/scripts/api_torchrun.py", str(tiny_data), str(tmp_path), str(tmp_path)],
-                       cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = run([*TORCHRUN, "tests/scripts/api_torchrun.py", tiny_data, tmp_path, tmp_path])
     assert "CPU x 2 rank(s)" in p.stdout
     best = tmp_path / "torchrun" / "weights" / "best.pt"
     assert [(tmp_path / f"result{r}").read_text() for r in (0, 1)] == [str(best)] * 2

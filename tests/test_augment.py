@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from utils.data.shapes import generate_shapes
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
 from utils.data.augment import box_candidates, mixup, random_perspective, resized_hw, resized_hw_all
@@ -68,10 +67,8 @@ def colour_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shapes_train(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("aug") / "shapes"
-    generate_shapes(root, seed=0, n_train=12, n_val=0, img_size=96)
-    return root / "images" / "train"
+def shapes_train(shapes_dataset) -> Path:
+    return shapes_dataset(seed=0, n_train=12, n_val=0, img_size=96) / "images" / "train"
 
 
 # ---------------------------------------------------------------- random_perspective, box_candidates, mixup

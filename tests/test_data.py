@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from utils.data.shapes import generate_shapes
 from utils.core.dist import DistInfo
 from utils.core.errors import UserError
 from utils.core.hyp import Hyp
@@ -27,10 +26,8 @@ NO_COLOUR = Hyp(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=
 
 
 @pytest.fixture(scope="module")
-def shapes_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    generate_shapes(root, seed=0, n_train=24, n_val=8)
-    return root
+def shapes_root(shapes_dataset) -> Path:
+    return shapes_dataset(seed=0, n_train=24, n_val=8, img_size=320)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from utils.data.shapes import generate_shapes
 from utils.core.hyp import Hyp
 from utils.data.batch import BatchMemory
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
@@ -28,10 +27,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("devaug") / "shapes"
-    generate_shapes(root, seed=2, n_train=40, n_val=0, img_size=96)
-    return root / "images" / "train"
+def shapes(shapes_dataset) -> Path:
+    return shapes_dataset(seed=2, n_train=40, n_val=0, img_size=96) / "images" / "train"
 
 
 def _both(data: LoadImagesAndLabels, keys: list) -> tuple:
@@ -217,31 +214,20 @@ def test_an_epoch_on_a_gpu_with_each_augmentation_path(tiny_data, tmp_path, wher
 def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
     """--augment-on device on CPU tensors, mosaic in every epoch: killed after a mid-epoch checkpoint and resumed,
     the run ends with the same bits as the undisturbed one."""
-    import subprocess
-    import sys
-
     import yaml
 
-    from tests.helpers import ROOT, run_env
+    from tests.helpers import DIE_AFTER_SAVE, PYTHON, ROOT, run
 
     hyp = yaml.safe_load((ROOT / "hyps" / "hyp.v8.yaml").read_text())
     (tmp_path / "hyp.yaml").write_text(yaml.safe_dump({**hyp, "close_mosaic": 0, "mixup": 0.5}))
     args = ["--data", str(tiny_data), "--hyp", str(tmp_path / "hyp.yaml"), "--augment-on", "device", "--imgsz", "64",
             "--batch-size", "4", "--val-batch-size", "4", "--workers", "1", "--seed", "2", "--epochs", "3",
             "--noplots", "--project", str(tmp_path)]
-
-    def run(*cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=run_env(), capture_output=True, text=True,
-                              timeout=600)
-
-    p = run("train.py", *args, "--name", "straight")
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    p = run(str(ROOT / "tests" / "scripts" / "die_after_save.py"), "--die-at", "2:2", *args, "--name", "cut",
-            "--save-interval", "1e-9")
+    run([PYTHON, "train.py", *args, "--name", "straight"])
+    p = run([PYTHON, DIE_AFTER_SAVE, "--die-at", "2:2", *args, "--name", "cut", "--save-interval", "1e-9"], ok=None)
     assert p.returncode == 137, (p.stdout + p.stderr)[-3000:]
     last = tmp_path / "cut" / "weights" / "last.pt"
-    p = run("train.py", "--resume", str(last))
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    run([PYTHON, "train.py", "--resume", last])
     a = torch.load(tmp_path / "straight" / "weights" / "last.pt", weights_only=True)
     b = torch.load(last, weights_only=True)
     assert all(torch.equal(a[k][n], b[k][n]) for k in ("model", "ema") for n in a[k]) and a["metrics"] == b["metrics"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.data.shapes import generate_shapes
 from utils.core.hyp import Hyp
 from utils.data.device_feed import DeviceFeed, batch_images
 from utils.data.loader import create_dataloader
@@ -15,10 +14,8 @@ HYP = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0,
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("feed") / "shapes"
-    generate_shapes(root, seed=5, n_train=24, n_val=0, img_size=96)
-    return root / "images" / "train"
+def shapes(shapes_dataset):
+    return shapes_dataset(seed=5, n_train=24, n_val=0, img_size=96) / "images" / "train"
 
 
 def _batches(shapes, on_device_path: bool, pin: bool = False) -> list:

@@ -11,7 +11,7 @@ import torch
 from utils.core import dist
 from utils.core.cores import set_cpu_threads
 from utils.core.errors import UserError
-from tests.helpers import ROOT, run_env
+from tests.helpers import ROOT, TORCHRUN, free_port, run, run_env
 
 
 def test_single_process_defaults(monkeypatch):
@@ -51,10 +51,8 @@ def test_missing_cuda_device_is_clear(device):
 
 
 def _torchrun(tmp_path, mode):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "scripts" / "zero_first.py"), str(tmp_path), mode]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
+    p = run([*TORCHRUN, ROOT / "tests" / "scripts" / "zero_first.py", tmp_path, mode], ok=None, timeout=240)
     return p, time.time() - t0
 
 
@@ -97,13 +95,6 @@ def test_slurm_env_is_read_when_torchrun_is_absent():
     assert dist.dist_info(env=dict(SLURM_PROCID="0", SLURM_NTASKS="1")).world_size == 1  # salloc + python
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fresh_data(tmp_path):
     """A data yaml whose dataset does not exist yet, so generation and label scans really happen."""
     yaml_file = tmp_path / "fresh.yaml"
@@ -127,7 +118,7 @@ def test_two_nodes_scan_once_per_job_and_checkpoint_once(tmp_path):
     """Two torchrun agents on this machine as two nodes of 2 ranks each, sharing the dataset folder: training
     completes, each node's local rank 0 alone generates the data, global rank 0 alone scans each split (every
     other rank reads its label cache), and only global rank 0 writes checkpoints."""
-    data, log, port = _fresh_data(tmp_path), tmp_path / "events.jsonl", _free_port()
+    data, log, port = _fresh_data(tmp_path), tmp_path / "events.jsonl", free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
                                str(port), str(ROOT / "tests" / "scripts" / "record_prep.py"), str(log),
@@ -154,7 +145,7 @@ def test_two_nodes_scan_once_per_job_and_checkpoint_once(tmp_path):
 @pytest.mark.dist
 def test_srun_style_launch_without_torchrun(tmp_path):
     """Two plain processes given only SLURM's variables (as ``srun --ntasks 2 python train.py``) train together."""
-    data, port = _fresh_data(tmp_path), _free_port()
+    data, port = _fresh_data(tmp_path), free_port()
     env = run_env()
     env.update(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port))
     procs = [subprocess.Popen([sys.executable, "train.py", "--data", str(data), "--project", str(tmp_path),

@@ -3,15 +3,13 @@ cheap pickling, a clear refusal when it does not fit, and one build per node und
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, run_env
+from tests.helpers import ROOT, TORCHRUN, run
 from utils.data import imgcache
 from utils.data.augment import resize_long_side
 from utils.core.errors import UserError
@@ -147,10 +145,7 @@ def test_torchrun_two_ranks_one_build(images, tmp_path):
     out.mkdir()
     lst = tmp_path / "images.txt"
     lst.write_text("\n".join(images))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "scripts" / "imgcache_ranks.py"), str(lst), str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run([*TORCHRUN, ROOT / "tests" / "scripts" / "imgcache_ranks.py", lst, out], timeout=240)
     r0, r1 = ((out / f"rank{r}").read_text().split() for r in (0, 1))
     assert r0[0] == r1[0]  # the same file
     assert (r0[1], r1[1]) == ("True", "False")  # built once, by local rank 0

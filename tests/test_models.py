@@ -15,8 +15,7 @@ from torch import nn
 from models.blocks import C3, Conv
 from models.heads.anchor import Detect
 from models.yolo import Model, ModelInfo, de_parallel
-from tests.test_models_af import randomize_bn
-from utils.core.errors import UserError
+from tests.helpers import n_params, raises_user_error, randomize_bn, write_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -24,10 +23,6 @@ COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 1
 # Published YOLOv5 v6 table (fused models, nc=80) and what the same nets have before fusing.
 FUSED_PARAMS = {"n": 1_867_405, "s": 7_225_885, "m": 21_172_173, "l": 46_533_693, "x": 86_705_005}
 TRAIN_PARAMS = {"n": 1_872_157, "s": 7_235_389, "m": 21_190_557, "l": 46_563_709, "x": 86_749_405}
-
-
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,12 +37,6 @@ def yolov5n() -> Model:
 def small_cfg() -> dict:
     """yolov5n as a dict, to edit into broken variants."""
     return yaml.safe_load((MODELS / "yolov5n.yaml").read_text())
-
-
-def write_cfg(tmp_path: Path, d: dict | str, name: str = "bad.yaml") -> Path:
-    p = tmp_path / name
-    p.write_text(d if isinstance(d, str) else yaml.safe_dump(d))
-    return p
 
 
 # ---------------------------------------------------------------------------------------- sizes
@@ -265,15 +254,6 @@ def test_bundled_name_and_input_channels() -> None:
 
 
 # ----------------------------------------------------------------------------------- bad yamls
-
-
-def raises_user_error(cfg: Path | dict, *fragments: str) -> str:
-    with pytest.raises(UserError) as e:
-        Model(cfg)
-    msg = str(e.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
-    return msg
 
 
 def test_unknown_module_suggests_closest(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from torch import nn
 from models.blocks import C2PSA, DFL, Attention, Bottleneck, C3k, C3k2, Conv, DWConv
 from models.heads.dfl import DFLDetect
 from models.yolo import Model
-from utils.core.errors import UserError
 from utils.core.hyp import Hyp
+from tests.helpers import n_params, raises_user_error, randomize_bn, write_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -40,10 +40,6 @@ GFLOPS = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.fixture(scope="module")
 def yolov8n() -> Model:
     torch.manual_seed(0)
@@ -58,32 +54,6 @@ def yolo11n() -> Model:
 
 def family_cfg(name: str = "yolov8.yaml") -> dict:
     return yaml.safe_load((MODELS / name).read_text())
-
-
-def write_cfg(tmp_path: Path, d: dict | str, name: str = "bad.yaml") -> Path:
-    p = tmp_path / name
-    p.write_text(d if isinstance(d, str) else yaml.safe_dump(d))
-    return p
-
-
-def raises_user_error(cfg: Path | dict | str, *fragments: str) -> str:
-    with pytest.raises(UserError) as e:
-        Model(cfg)
-    msg = str(e.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
-    return msg
-
-
-def randomize_bn(model: nn.Module) -> nn.Module:
-    """Non-trivial BN statistics and affine terms, so fusing has something to fold; returns the model."""
-    for mod in model.modules():
-        if isinstance(mod, nn.BatchNorm2d):
-            mod.running_mean.uniform_(-0.5, 0.5)
-            mod.running_var.uniform_(0.5, 2.0)
-            mod.weight.data.uniform_(0.5, 1.5)
-            mod.bias.data.uniform_(-0.2, 0.2)
-    return model
 
 
 # ---------------------------------------------------------------------------------------- sizes

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, free_port, run_env
 from utils.core.errors import UserError
 from utils.data import remote
 from utils.data.shardcache import BUDGET_ENV
@@ -28,17 +28,11 @@ pytest.importorskip("moto.server", reason="moto[server] runs the S3 server these
 pytest.importorskip("flask", reason="moto[server] runs the S3 server these tests talk to")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """moto's S3 server on 127.0.0.1, and the environment a client needs to reach it."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_ACCESS_KEY_ID": "test",
                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
         self.start()
@@ -179,7 +173,7 @@ class Endpoint:
     memory, so restarting moto itself would bring back an empty store)."""
 
     def __init__(self, target: int) -> None:
-        self.target, self.port, self.open_sockets = target, _free_port(), []
+        self.target, self.port, self.open_sockets = target, free_port(), []
         self.listener: socket.socket | None = None
 
     def open(self) -> None:
@@ -285,7 +279,7 @@ def test_a_two_node_job_from_a_bucket_is_the_two_rank_folder_run(server, tiny_da
     """Two torchrun agents on this machine as two nodes of one rank each, each with its own node disk, train from
     the bucket: the same last.pt as two ranks on one node from the folder, and each node fetched its own copy."""
     _, yaml_file, flags, env = _bucket_training(server, tiny_data, tmp_path, workers=0)
-    run, port = [sys.executable, "-m", "torch.distributed.run"], _free_port()
+    run, port = [sys.executable, "-m", "torch.distributed.run"], free_port()
     p = subprocess.run([*run, "--standalone", "--nproc_per_node", "2", "train.py", "--data", str(tiny_data), *flags,
                         "--name", "folder"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import PYTHON, ROOT, run_env
+from tests.helpers import PYTHON, ROOT, TORCHRUN, run_env
 from utils.core.errors import UserError
 from utils.core.hyp import load_hyp
 from utils.engine.recipe import RECIPES
@@ -267,13 +267,13 @@ def test_median_pruner_prunes_a_hopeless_trial(data, tmp_path, one_thread):
     assert load_hyp(tmp_path / "prune" / "best_hyp.yaml").lr0 == pytest.approx(0.01)
 
 
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "tune.py"]
+TUNE_TORCHRUN = [*TORCHRUN, "tune.py"]
 
 
 def torchrun(args: list[str]) -> str:
     """``torchrun --nproc_per_node 2 tune.py`` (gloo on CPU) to its end, every rank exiting 0 (a hang fails the
     test at the timeout); its log."""
-    p = subprocess.run([*TORCHRUN, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
+    p = subprocess.run([*TUNE_TORCHRUN, *args], cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     return out
@@ -300,7 +300,7 @@ def test_preempted_torchrun_worker_exits_75_then_completes_the_study(data, tmp_p
     job: both ranks save and exit 75, rank 0 alone enqueues the trial again; the same command then completes the
     study of 2 trials, each trained by both ranks, the retry continuing its last.pt as a single process's does."""
     args = twin_study(data, tmp_path, "term")
-    p = subprocess.Popen([*TORCHRUN, *args], cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen([*TUNE_TORCHRUN, *args], cwd=ROOT, env=run_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(p, tmp_path / "term" / "trial_0" / "opt.yaml")
     os.killpg(p.pid, signal.SIGTERM)  # a scheduler's stop: torchrun forwards it to its workers

@@ -6,7 +6,6 @@ unfused parameters, ``get_flops(model, 640)`` = thop 2 x MACs): see docs/trainin
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -19,6 +18,7 @@ from models.parse import load_model_yaml
 from models.registry import head_class
 from models.yolo import Model
 from utils.core.errors import UserError
+from tests.helpers import assert_fused_copy_matches
 
 ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
     "n": (2_572_280, 6.24), "s": (10_009_784, 23.08), "m": (21_896_248, 75.64),
@@ -148,23 +148,6 @@ def test_agnostic_topk_keeps_one_class_per_box():
     idx = best.topk(8).indices
     assert torch.equal(out[0, :, :4], boxes[0, idx]) and torch.equal(out[0, :, 4], best[idx])
     assert torch.equal(out[0, :, 5], labels[idx].float())
-
-
-def assert_fused_copy_matches(model: Model) -> Model:
-    """A fused copy of an end-to-end model gives its detections and both branches' raw levels; returns the copy."""
-    x = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(0))
-    fused = copy.deepcopy(model).fuse()
-    with torch.no_grad():
-        (a, ra), (b, rb) = model(x), fused(x)
-    # the same detections, in any order among equal scores: an untrained head scores neighbouring anchors
-    # alike, and rounding (fused or not, per CPU) can swap two such rows in the top-k
-    for p, q in zip(a, b):
-        gap = (p[:, None, :] - q[None, :, :]).abs().amax(-1)  # every row of one against every row of the other
-        assert len(p) == len(q) and (gap.amin(1) < 1e-4).all() and (gap.amin(0) < 1e-4).all()
-    for key in ("one2many", "one2one"):
-        for p, q in zip(ra[key], rb[key]):
-            assert torch.allclose(p, q, atol=1e-4)
-    return fused
 
 
 def test_fused_equals_unfused(n_model):

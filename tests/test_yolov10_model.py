@@ -21,8 +21,7 @@ from models.heads.tal import pack_targets
 from models.parse import load_model_yaml
 from models.registry import head_class
 from models.yolo import Model
-from tests.test_models_af import randomize_bn
-from tests.test_yolo26_model import assert_fused_copy_matches
+from tests.helpers import assert_fused_copy_matches, randomize_bn
 from utils.core.hyp import Hyp
 
 ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
