@@ -366,14 +366,10 @@ def ultralytics_detections(preds: list[dict], gt: dict, nc: int) -> list[dict]:
 
 
 def coco_map(gt_file: Path, dets: list[dict]) -> tuple[float, float]:
-    """(mAP50-95, mAP50) by pycocotools' COCOeval at maxDets MAX_DET (utils/eval/coco.cocoeval_map)."""
-    from utils.core.errors import UserError
-    from utils.eval.coco import cocoeval_map
+    """(mAP50-95, mAP50) by pycocotools' COCOeval at maxDets MAX_DET (bench/cocoeval.py)."""
+    from bench.cocoeval import coco_map as score
 
-    try:
-        return cocoeval_map(gt_file, dets, MAX_DET)
-    except UserError as e:  # pycocotools missing: one line, no traceback
-        raise SystemExit(str(e)) from None
+    return score(gt_file, dets, MAX_DET)
 
 
 def run_tool(tool: str, opt: argparse.Namespace, work: Path, source: tuple[dict, list[str]], round_: int) -> dict:

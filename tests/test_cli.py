@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, run_env
+from tests.helpers import ROOT, run, run_env
 from utils.core import cli as shared
 from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
 
@@ -203,3 +203,18 @@ def test_the_module_entry_point_runs_each_tool_under_its_own_name(capsys, monkey
     assert capsys.readouterr().out.startswith("usage: python -m yolotrain val ")
     assert entry.main([]) == 2 and "tools:" in capsys.readouterr().out
     assert entry.main(["trian"]) == 2 and "unknown tool 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh interpreter: what one tool's start imports
+def test_one_tool_imports_that_tool_alone():
+    """``python val.py --help`` imports the val tool, not train, tune, the search package, the Python API or optuna
+    (yolotrain/__init__ and ``python -m yolotrain`` import on first use); ``from yolotrain import YOLO`` still
+    works and lists its names."""
+    p = run([sys.executable, "-X", "importtime", "val.py", "--help"])
+    imported = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "yolotrain.app.val" in imported
+    assert not {m for m in imported if m.startswith(("yolotrain.app.train", "yolotrain.app.tune", "yolotrain.model",
+                                                     "yolotrain.app.search", "optuna"))}
+    import yolotrain
+
+    assert {"YOLO", "convert_coco", "UserError"} <= set(dir(yolotrain)) and yolotrain.YOLO.__name__ == "YOLO"

@@ -266,3 +266,13 @@ def test_memory_format_rule(monkeypatch):
     assert not memory_format_problems("NHWC on CPU, and on CUDA under fp16 (`--amp`, the CUDA default); NCHW for "
                                       "fp32 on CUDA", expected)
     assert not memory_format_problems("NHWC on CPU, and on CUDA with `--half`; NCHW for fp32 on CUDA", expected)
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """README's second command and .ci/run run the same pytest line, so the README's time and coverage are CI's."""
+    import re
+
+    readme = re.search(r"^python3 -m venv \.venv && .+? && (\.venv/bin/python -m pytest [^\n]+)$", README.read_text(),
+                       re.M)
+    assert readme, "README.md: no set-up-and-test command"
+    assert readme[1] in (ROOT / ".ci" / "run").read_text().splitlines()

@@ -50,7 +50,7 @@ def shm(tmp_path, monkeypatch) -> Path:
 def test_cached_images_equal_uncached(images, shm, tmp_path, augment, mode):
     cache = imgcache.build_or_open(images, 64, augment, mode, cache_dir=None, num_threads=2)
     assert cache.built and cache.file.parent == (shm if mode == "ram" else tmp_path / "data" / "labels")
-    assert cache.file.name.endswith(".imgcache.npy") and cache.index_file.is_file()
+    assert cache.file.name.endswith(".imgcache.npy") and cache.index_file.is_file() and len(cache) == len(images)
     for i, f in enumerate(images):
         img, hw0 = cache.get(i)
         ref, ref_hw0 = _uncached(f, 64, augment)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (DIE_AFTER_SAVE, LAUNCHERS, PYTHON, RESUME, RESUME_EPOCHS, ROOT, TORCHRUN, assert_same_run,
+from tests.helpers import (DIE_AFTER_SAVE, LAUNCHERS, NAN_GRAD, PYTHON, RESUME, RESUME_EPOCHS, ROOT, TORCHRUN, assert_same_run,
                            children, free_port, load, out, results_epochs, run, run_env, run_train, wait_until_gone)
 from yolotrain.app import shards
 
@@ -281,6 +281,22 @@ def test_kill_9_of_a_worker_under_max_restarts_changes_nothing(tiny_data, tmp_pa
     assert "Resuming" in text, text[-4000:]  # the restart continued the killed attempt's checkpoint
     assert_same_run(reference("2-process"), load(last))
     assert results_epochs(tmp_path / "job") == list(range(EPOCHS))
+
+
+def test_a_stop_agreed_in_an_epoch_s_last_step_saves_that_epoch_and_resumes_exactly(tiny_data, tmp_path, reference):
+    """SIGUSR1 during the last batch of epoch 1 (backward 4 of 4): the step agrees to stop, the epoch ends as
+    usual (validation, results row, checkpoint), the run exits 75 naming that epoch's end, and --resume starts
+    epoch 2 and ends with the undisturbed run's bits."""
+    p = run_train([PYTHON], tiny_data, tmp_path, "cut", *RESUME, script=(NAN_GRAD, "0"),
+                  env=run_env(NAN_GRAD_USR1_AT="4"), ok=None)
+    assert p.returncode == 75 and "at the end of epoch 1; exiting with code 75" in p.stdout, out(p)[-3000:]
+    last = tmp_path / "cut" / "weights" / "last.pt"
+    saved = load(last)
+    assert (saved["epoch"], saved.get("batches_done", 0)) == (0, 0) and results_epochs(tmp_path / "cut") == [0]
+    p = _resume(last)
+    assert f"from epoch 2 of {EPOCHS}" in p.stdout
+    assert_same_run(reference("1-process"), last)
+    assert results_epochs(tmp_path / "cut") == list(range(EPOCHS))
 
 
 @pytest.mark.dist

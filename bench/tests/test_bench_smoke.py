@@ -39,7 +39,7 @@ NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
            "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "step_launches", "storage_speed", "train_speed",
            "ultralytics_loader", "val_speed"}
-NOT_SCRIPTS = {"convert_parity_shims": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
+NOT_SCRIPTS = {"convert_parity_shims": "helper module", "cocoeval": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
 
 def _bench(name: str, *args: object, python: str | None = None, env: dict | None = None, ok: bool = True,

@@ -169,35 +169,3 @@ def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: 
     gt = dataset_ground_truth(ds, names, SourceIds.from_data(data, names))
     write_json(gt, out)
     return gt
-
-
-def cocoeval_map(gt_file: str | Path, dets: list[dict[str, Any]], max_det: int = 300) -> tuple[float, float]:
-    """(mAP50-95, mAP50) of COCO-format ``dets`` by pycocotools' COCOeval at maxDets ``max_det``; quiet.
-
-    For the side-by-side benchmarks, which score every tool's detections with one scorer
-    (pycocotools is a test-only dependency, imported here on use). Read from COCOeval's precision
-    array (area 'all', the largest maxDets), as summarize() does: summarize's mAP50-95 line is
-    hard-wired to maxDets 100, which would cut the tools' 300.
-    """
-    import contextlib
-    import io
-
-    try:
-        from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
-    except ImportError:
-        raise UserError("pycocotools is needed to score detections with COCOeval: pip install pycocotools") from None
-    if not dets:  # loadRes refuses an empty list; no detections score 0
-        return 0.0, 0.0
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO(str(gt_file))
-        ev = COCOeval(gt, gt.loadRes(dets), "bbox")
-        ev.params.maxDets = [1, 10, max_det]
-        ev.evaluate()
-        ev.accumulate()
-    prec = ev.eval["precision"][:, :, :, 0, -1]  # (IoU thresholds, recall points, classes)
-
-    def mean(x: np.ndarray) -> float:  # -1 marks classes without ground truth, left out as summarize() does
-        return float(np.mean(x[x > -1])) if (x > -1).any() else 0.0
-
-    return mean(prec), mean(prec[0])  # IoU thresholds 0.50:0.95, then 0.50 alone
