@@ -66,12 +66,19 @@ def test_pickled_objects_are_refused(tmp_path):
 
 
 def test_rng_states_roundtrip(tmp_path):
+    """Every byte of Python's, numpy's and torch's generator states comes back, and so do the next draws."""
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    random.random(), np.random.rand(7), torch.rand(5)  # mid-state, not just after a seed
     f = tmp_path / "rng.pt"
     ck.save_checkpoint({**_ckpt(0.0), "rng": rng_states()}, f)
-    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    expected = ([random.random() for _ in range(700)], np.random.rand(700), torch.rand(700))
     set_rng_states(ck.load_checkpoint(f)["rng"])
-    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    py, (name, keys, *rest), pt = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    assert py == saved[0] and torch.equal(pt, saved[2])
+    assert name == saved[1][0] and np.array_equal(keys, saved[1][1]) and tuple(rest) == tuple(saved[1][2:])
+    draws = ([random.random() for _ in range(700)], np.random.rand(700), torch.rand(700))
+    assert draws[0] == expected[0] and np.array_equal(draws[1], expected[1]) and torch.equal(draws[2], expected[2])
 
 
 def test_strip_optimizer(tmp_path):
