@@ -17,6 +17,8 @@ images at 96 px, --imgsz 64, batch 4, 3 epochs, seed 5, one loader worker):
                the LR schedule and close_mosaic refitted
   v8n-nan      yolov8n with --nan-recover 2 and a NaN gradient injected at backward calls 3 and 7
                (tests/scripts/nan_grad.py): two rollbacks
+  v8n-micro64  yolov8n at --batch-size 64 on a 128-image set (2 batches an epoch): the short-run AdamW's
+               micro-steps, four optimizer steps of 16 images per batch
 
 and records, for last.pt and best.pt, a SHA-256 of every tensor under model, ema and optimizer,
 the epoch, the metrics dict, and results.csv's text. --compare prints each difference and exits 1
@@ -42,6 +44,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 DATA = ("path: shapes\ntrain: images/train\nval: images/val\n"
         "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n"
         "generate: shapes\ngenerate_args: {seed: 1, n_train: 16, n_val: 8, img_size: 96}\n")
+LARGE = DATA.replace("n_train: 16", "n_train: 128").replace("path: shapes", "path: shapes128")  # {large}
 
 
 def runs(v5n: str, v8n: str) -> dict[str, list[tuple[list[str], list[str], bool]]]:
@@ -55,6 +58,8 @@ def runs(v5n: str, v8n: str) -> dict[str, list[tuple[list[str], list[str], bool]
                        ([*py, "train.py"], ["--resume", "{last}"], False)],
         "v8n-time": [([*py, "train.py"], ["--cfg", v8n, "--time", "1e-5"], False)],
         "v8n-nan": [([*py, nan, "3,7"], ["--cfg", v8n, "--nan-recover", "2"], False)],
+        "v8n-micro64": [([*py, "train.py"], ["--cfg", v8n, "--data", "{large}", "--batch-size", "64",
+                                              "--val-batch-size", "16"], False)],
     }
 
 
@@ -90,15 +95,17 @@ def digest_run(folder: Path) -> dict:
 
 
 def measure(repo: Path, work: Path, only: list[str] | None) -> dict:
-    data = work / "tiny.yaml"
+    data, large = work / "tiny.yaml", work / "large.yaml"
     data.write_text(DATA)
+    large.write_text(LARGE)
     results = {}
     for name, steps in runs(str(repo / "models" / "yolov5n.yaml"), str(repo / "models" / "yolov8n.yaml")).items():
         if only and name not in only:
             continue
         folder = work / "runs" / name
         for launcher, args, may_fail in steps:
-            args = [a.replace("{last}", str(folder / "weights" / "last.pt")) for a in args]
+            args = [a.replace("{last}", str(folder / "weights" / "last.pt")).replace("{large}", str(large))
+                    for a in args]
             cmd = [*launcher, "--data", str(data), "--project", str(work / "runs"), "--name", name, "--exist-ok",
                    *ARGS, *args]
             p = subprocess.run(cmd, cwd=repo, env=env(repo), capture_output=True, text=True, timeout=900)
