@@ -109,7 +109,7 @@ def ours(name: str, args: argparse.Namespace) -> dict:
     import torch
     from models.yolo import Model
     from utils.core.hyp import Hyp
-    from utils.engine.loop import optimizer_step
+    from utils.engine.step import optimizer_step
     from utils.engine.optim import ModelEMA
     torch.manual_seed(0)
     model = Model(ROOT / "models" / f"{name}.yaml", nc=args.classes).train()

@@ -259,15 +259,16 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
 
 
 def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
-    """Warm-up steps, then the timed ones: train_one_epoch's step from the loop's own pieces, a timer
-    between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
+    """Warm-up steps, then the timed ones: the training step (utils/engine/step.py) from its own pieces, a
+    timer between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
     from utils.core import dist, precision
     from utils.data.device_feed import batch_images
-    from utils.engine.loop import backward, check_step, optimizer_step
+    from utils.engine.step import check_step
 
-    device, info, model = t.device, t.info, t.model
+    device, info, step = t.device, t.info, t.step
+    model = step.module  # what the step's forward runs (DDP around the model when distributed)
     world = info.world_size
-    accumulate = opt.accumulate or t.accumulate
+    accumulate = opt.accumulate or t.plan.accumulate
     if opt.cuda_graphs and accumulate > 1:
         sys.exit("--cuda-graphs needs an optimizer step after every batch: leave out --accumulate")
     # whole accumulation cycles, so the timed window holds its fair share of optimizer steps
@@ -296,9 +297,9 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
         # the accumulation steps that do not end in an optimizer step; no_sync covers forward+backward.
         skip_sync = opt.ddp_no_sync and world > 1 and not step_now
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with t.autocast():
+            with step.autocast():
                 if opt.cuda_graphs:  # one replay of the model and (with packed targets) its loss: all of it "forward"
-                    loss, loss_items = t.step_loss(imgs, batch.targets)
+                    loss, loss_items = step.loss(imgs, batch.targets)
                 else:
                     pred = model(imgs)
                 sync()
@@ -311,11 +312,11 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
             if step_now:
                 check_step(bad, loss_items, info, False, False)  # the step's all-reduce and its one host copy
             t5 = time.perf_counter()
-            backward(t, loss)
+            step.backward(loss)
             sync()
         t6 = time.perf_counter()
         if step_now:
-            optimizer_step(model, t.optimizer, t.scaler, t.ema)
+            step.optimizer_step()
             sync()
         t7 = time.perf_counter()
         if timed:
@@ -334,9 +335,9 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     for r, p in enumerate(parts):
         if p["profile"]:
             print(f"\n--- profile, {model_name(size)} {t.imgsz}px, rank {r} ---\n{p['profile']}")
-    return Result(model=model_name(size), imgsz=t.imgsz, world_size=world, batch=t.batch * world,
+    return Result(model=model_name(size), imgsz=t.imgsz, world_size=world, batch=t.plan.global_batch,
                   threads=parts[0]["threads"], workers=parts[0]["workers"], accumulate=accumulate,
-                  steps=steps, img_s=steps * t.batch * world / slowest, ms=ms,
+                  steps=steps, img_s=steps * t.plan.global_batch / slowest, ms=ms,
                   train_gflops_per_img=3 * gflops, device=device.type,
                   layout="NHWC" if t.cfg.channels_last else "NCHW",
                   precision={torch.bfloat16: "bf16", torch.float16: "fp16"}[precision.amp_dtype(device)] if t.amp else "fp32")

@@ -3,16 +3,17 @@ torch.compile's wrapper, and a compiled run trains and resumes from a mid-epoch 
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from yolotrain.app import train
 from models.yolo import Model, de_parallel
 from tests.helpers import DIE_AFTER_SAVE, PYTHON, RESUME, ROOT, assert_same_run, load, out, run, run_train
-from utils.core.cli import ResolvedArgs
 from utils.core.dist import DistInfo
 from utils.engine.config import RESUME_HARMLESS
-from utils.engine.setup import wrap_model
+from utils.engine.step import StepOptions, wrap
 
 V8N = ROOT / "models" / "yolov8n.yaml"
 
@@ -30,14 +31,14 @@ def test_de_parallel_unwraps_compiled_modules_and_their_keys_stay_plain(one_thre
     assert torch.equal(compiled(x)[0], model(x)[0])
 
 
-def test_wrap_model_compiles_in_place_and_saves_plain_keys():
+def test_the_step_compiles_the_model_in_place_and_saves_plain_keys():
     model = Model(V8N, nc=3)
     keys = list(model.state_dict())
-    cfg = ResolvedArgs(sync_bn=False, compile=True, cuda_graphs=False)
-    wrapped = wrap_model(model, cfg, DistInfo(), torch.device("cpu"))
+    options = StepOptions(amp=False, graphs=False, sync_bn=False, compile=True)
+    wrapped = wrap(model, options, DistInfo(), torch.device("cpu"))
     assert wrapped is model and model._compiled_call_impl is not None  # compiled at its first call
     assert de_parallel(wrapped) is model and list(wrapped.state_dict()) == keys
-    plain = wrap_model(Model(V8N, nc=3), cfg.replace(compile=False), DistInfo(), torch.device("cpu"))
+    plain = wrap(Model(V8N, nc=3), replace(options, compile=False), DistInfo(), torch.device("cpu"))
     assert plain._compiled_call_impl is None
 
 

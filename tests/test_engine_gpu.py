@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tests.helpers import RESUME, ROOT, TORCHRUN, run_env
-from utils.engine.loop import FP16_OVERFLOW_PATIENCE, LoopState, optimizer_step, scaler_absorbs
+from utils.engine.step import FP16_OVERFLOW_PATIENCE, Fp16Overflows, optimizer_step
 from utils.engine.optim import ModelEMA, smart_optimizer
 from utils.engine.recover import NanRecovery
 
@@ -23,13 +23,13 @@ def _model() -> nn.Module:
 
 
 def test_the_grad_scaler_absorbs_fp16_overflows_up_to_its_patience():
-    loop = LoopState(last_opt_step=-1, accumulate=1)
+    overflows = Fp16Overflows()
     fp16, none = torch.amp.GradScaler("cpu", enabled=True), torch.amp.GradScaler("cpu", enabled=False)
-    assert not scaler_absorbs(none, loop, True)  # fp32 / bf16: a non-finite loss is the run's problem
-    assert [scaler_absorbs(fp16, loop, True) for _ in range(FP16_OVERFLOW_PATIENCE)] == [True] * FP16_OVERFLOW_PATIENCE
-    assert not scaler_absorbs(fp16, loop, True)  # what lowering the scale did not cure stops the run (or rolls back)
-    assert loop.overflows == 0 and scaler_absorbs(fp16, loop, True) and not scaler_absorbs(fp16, loop, False)
-    assert loop.overflows == 0  # a finite step ends the streak
+    assert not overflows.absorbs(none, True)  # fp32 / bf16: a non-finite loss is the run's problem
+    assert [overflows.absorbs(fp16, True) for _ in range(FP16_OVERFLOW_PATIENCE)] == [True] * FP16_OVERFLOW_PATIENCE
+    assert not overflows.absorbs(fp16, True)  # what lowering the scale did not cure stops the run (or rolls back)
+    assert overflows.count == 0 and overflows.absorbs(fp16, True) and not overflows.absorbs(fp16, False)
+    assert overflows.count == 0  # a finite step ends the streak
 
 
 def test_an_fp16_overflow_is_a_skipped_step_and_a_lower_scale():
@@ -160,7 +160,8 @@ def test_a_rollback_puts_the_scalers_scale_back_without_reading_it_each_step():
 def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp_path, monkeypatch):
     """The whole step on the meta device, where any read of a tensor's value raises: forward, loss, the NaN flag,
     backward, the optimizer step and the EMA run without one, and at each optimizer step check_step's
-    host_values is the one device-to-host copy (counted here; four batches, two optimizer steps)."""
+    host_values is the one device-to-host copy (counted here; four batches, two optimizer steps). The Step is
+    built from its parts, as setup builds it, on the meta device."""
     import dataclasses
     import contextlib
 
@@ -170,12 +171,14 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     from utils.core.dist import DistInfo
     from utils.core.watchdog import Watchdog
     from utils.engine import loop as engine_loop
+    from utils.engine import step as engine_step
     from utils.engine.config import Resume, resolve_config
-    from utils.engine.graphs import StepLoss
     from utils.engine.hooks import build_hooks
     from utils.engine.optim import LRSchedule, Warmup
     from utils.engine.preempt import StopRequest
-    from utils.engine.setup import Training, build_training
+    from utils.engine.recover import NanRecovery
+    from utils.engine.setup import build_training
+    from utils.engine.step import Step, StepOptions
 
     argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--imgsz", "64", "--batch-size", "4", "--workers",
             "0", "--optimizer", "SGD", "--noplots", "--no-amp", "--epochs", "1", "--seed", "1"]
@@ -186,16 +189,17 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     ema.ema.to(meta)
     optimizer = smart_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
     lr = LRSchedule(optimizer, Warmup(iters=-1, bias_lr=0.0, momentum0=0.8, momentum=0.9), 1, lrf=0.01, cos=False)
-    state = dataclasses.replace(t.state, model=model, optimizer=optimizer, lr=lr)
     criterion = model.detect.build_criterion(t.hyp, t.imgsz)
-    t = dataclasses.replace(t, device=meta, optimizer=optimizer, lr=lr, accumulate=2, state=state,
-                            criterion=criterion, step_loss=StepLoss(model, criterion))
-    monkeypatch.setattr(Training, "autocast", lambda self: contextlib.nullcontext())  # autocast has no meta device
+    plan = dataclasses.replace(t.plan, accumulate=2)
+    step = Step(model, criterion, optimizer, t.scaler, ema, lr, plan, NanRecovery(0, model, ema, optimizer, t.scaler),
+                DistInfo(), meta, StepOptions(amp=False, graphs=False, sync_bn=False, compile=False))
+    t = dataclasses.replace(t, device=meta, optimizer=optimizer, lr=lr, criterion=criterion, step=step,
+                            state=dataclasses.replace(t.state, model=model, optimizer=optimizer, lr=lr))
+    monkeypatch.setattr(Step, "autocast", lambda self: contextlib.nullcontext())  # autocast has no meta device
     monkeypatch.setattr(type(criterion), "packed_loss", type(criterion)._loss)  # ... nor the loss's fp32 guard
     monkeypatch.setattr(dist, "reduce_mean", lambda x: torch.zeros(x.shape))  # the epoch's one closing copy
     copies = []
-    monkeypatch.setattr(engine_loop, "host_values", lambda x: copies.append(x.shape) or [0.0] * x.numel())
-    loop = engine_loop.LoopState.start(t)
-    engine_loop.train_one_epoch(t, loop, build_hooks(t), StopRequest(), Watchdog(0, 0))
+    monkeypatch.setattr(engine_step, "host_values", lambda x: copies.append(x.shape) or [0.0] * x.numel())
+    engine_loop.train_one_epoch(t, build_hooks(t), StopRequest(), Watchdog(0, 0))
     assert t.batches_per_epoch == 4 and len(copies) == 2  # batches 2 and 4 step
     assert next(model.parameters()).device == meta

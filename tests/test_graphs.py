@@ -17,23 +17,25 @@ from models.yolo import Model
 from tests.helpers import ROOT, TORCHRUN, run_env
 from utils.core.hyp import Hyp
 from utils.engine.config import RESUME_HARMLESS
-from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problem, slots_for
-from utils.engine.loop import optimizer_step
+from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problems, slots_for
+from utils.engine.step import optimizer_step
 from utils.engine.optim import ModelEMA
 from yolotrain.app import train
 
 CUDA = torch.device("cuda")
 
 
-def test_graphs_problem_names_each_setting_it_cannot_run_with():
-    assert graphs_problem(CUDA, 1, compile_=False, rect=False, multi_scale=False) is None
-    assert "needs a CUDA device (this run is on cpu)" in graphs_problem(torch.device("cpu"), 1, False, False, False)
-    assert graphs_problem(CUDA, 2, False, False, False) is None  # DDP wraps the graphed unit
-    assert "--sync-bn" in graphs_problem(CUDA, 2, False, False, False, sync_bn=True)
-    assert graphs_problem(CUDA, 1, False, False, False, sync_bn=True) is None  # one rank: plain BatchNorm
-    assert "--compile" in graphs_problem(CUDA, 1, True, False, False)
-    assert "--rect changes it" in graphs_problem(CUDA, 1, False, True, False)
-    assert "--multi-scale changes it" in graphs_problem(CUDA, 1, False, False, True)
+def test_graphs_problems_name_each_setting_it_cannot_run_with():
+    assert graphs_problems(CUDA, 1, compile_=False, rect=False, multi_scale=False) == []
+    assert graphs_problems(torch.device("cpu"), 1, False, False, False) == [
+        "--cuda-graphs needs a CUDA device (this run is on cpu)"]
+    assert graphs_problems(CUDA, 2, False, False, False) == []  # DDP wraps the graphed unit
+    assert "--sync-bn" in graphs_problems(CUDA, 2, False, False, False, sync_bn=True)[0]
+    assert graphs_problems(CUDA, 1, False, False, False, sync_bn=True) == []  # one rank: plain BatchNorm
+    assert "--compile" in graphs_problems(CUDA, 1, True, False, False)[0]
+    assert "--rect changes it" in graphs_problems(CUDA, 1, False, True, False)[0]
+    assert "--multi-scale changes it" in graphs_problems(CUDA, 1, False, False, True)[0]
+    assert len(graphs_problems(torch.device("cpu"), 1, True, True, False)) == 3  # each said, in one line
 
 
 def test_accumulation_problem_asks_for_a_step_per_batch():
@@ -57,6 +59,45 @@ def test_train_on_a_cpu_refuses_cuda_graphs_with_one_line(tmp_path):
     assert "--cuda-graphs needs a CUDA device (this run is on cpu)" in p.stderr + p.stdout
     assert "Traceback" not in p.stderr
     assert not list(tmp_path.iterdir())  # refused before a run folder is made
+
+
+REFUSED = {  # flags -> the sentence train.py refuses them with (beside "needs a CUDA device" on this CPU)
+    "rect": (["--rect"], "--cuda-graphs needs one input shape for the run; --rect changes it"),
+    "multi-scale": (["--multi-scale"], "--cuda-graphs needs one input shape for the run; --multi-scale changes it"),
+    "compile": (["--compile"], "--cuda-graphs and --compile both change how the step is launched; choose one"),
+    "accumulation": (["--cfg", "models/yolov5n.yaml", "--batch-size", "16"],
+                     "at --batch-size 16 this run's optimizer accumulates 4 batches per step (it steps every 64 "
+                     "images): use --batch-size 64 or more"),
+    "long schedule": (["--batch-size", "32", "--epochs", "10001"],  # anchor-free, 16 images: 10,001 steps of 64, SGD
+                      "at --batch-size 32 this run's optimizer accumulates 2 batches per step"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_each_refused_combination_is_one_line_before_anything_is_written(case, tiny_data, tmp_path, capsys,
+                                                                        restore_logger):
+    """Refused in the resolved config, before the run folder, the data scan and the model build: exit code 1,
+    one ERROR line naming the combination, no run folder, no data generated."""
+    flags, sentence = REFUSED[case]
+    data = tmp_path / "fresh.yaml"  # a built-in set never generated: the refusal must not make it
+    data.write_text(tiny_data.read_text().replace("seed: 1", "seed: 77"))
+    code = train.cli(["--cuda-graphs", "--data", str(data), "--imgsz", "64", "--project", str(tmp_path / "runs"),
+                      *flags])
+    out = capsys.readouterr()
+    errors = [line for line in (out.out + out.err).splitlines() if line.startswith("ERROR")]
+    assert code == 1 and len(errors) == 1 and sentence in errors[0], out.out + out.err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "shapes").exists()
+
+
+def test_graphed_steps_of_several_ranks_refuse_sync_bn():
+    from utils.engine.step import problems
+
+    args = train.build_parser().parse_args(["--cuda-graphs", "--sync-bn", "--batch-size", "64"])
+    found = problems(args, torch.device("cuda", 0), 2, lambda: 16)
+    assert found == ["--cuda-graphs and --sync-bn: SyncBatchNorm exchanges statistics between ranks inside the "
+                     "forward, which a graph cannot hold; choose one"]
+    assert problems(args, torch.device("cuda", 0), 1, lambda: 16) == []  # one rank: SyncBatchNorm is plain BN
+    assert problems(train.build_parser().parse_args([]), torch.device("cpu"), 1, lambda: 64) == []
 
 
 def _targets(batch: int, generator: torch.Generator) -> torch.Tensor:

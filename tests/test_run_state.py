@@ -44,14 +44,14 @@ def _state(seed: int, nan_recover: int = 2) -> RunState:
 
 def _train_steps(state: RunState, n: int) -> None:
     for _ in range(n):
-        state.lr.warmup_step(state.epoch * NB + state.batch, state.epoch)
+        state.lr.warmup_step(state.epoch * NB + state.batches_done, state.epoch)
         state.recovery.remember()
         loss = state.model(torch.rand(2, 3, 8, 8)).square().mean()
         loss.backward()
         state.optimizer.step()
         state.optimizer.zero_grad()
         state.ema.update(state.model)
-        state.batch += 1
+        state.batches_done += 1
 
 
 def _assert_equal_states(a: dict, b: dict) -> None:
@@ -93,7 +93,7 @@ def test_a_mid_epoch_state_round_trips_through_its_state_dict():
     resumed = _state(1)  # other initial weights: everything must come from the checkpoint
     resumed.model.load_state_dict(saved["model"])
     resumed.load_state_dict(saved, restore_mosaic=True)
-    assert (resumed.epoch, resumed.batch, resumed.resumed, resumed.best_fitness) == (1, 3, True, 0.25)
+    assert (resumed.epoch, resumed.batches_done, resumed.resumed, resumed.best_fitness) == (1, 3, True, 0.25)
     assert torch.equal(resumed.mloss, state.mloss) and resumed.lr.scale == 0.5 and resumed.lr.epoch == 1
     assert resumed.lr.values() == state.lr.values() and resumed.clock.epoch_seconds == [12.5]
     assert resumed.sampler.mosaic_off_from_epoch == 2 and resumed.recovery.used == 0
@@ -107,7 +107,7 @@ def test_an_epoch_end_checkpoint_records_the_epoch_and_no_cursor():
     assert set(saved) == EPOCH_END_KEYS and saved["epoch"] == 0  # the epoch just finished
     resumed = _state(0, nan_recover=0)
     resumed.load_state_dict(saved, restore_mosaic=False)
-    assert (resumed.epoch, resumed.batch, resumed.mloss, resumed.lr.scale) == (1, 0, None, 1.0)
+    assert (resumed.epoch, resumed.batches_done, resumed.mloss, resumed.lr.scale) == (1, 0, None, 1.0)
 
 
 def test_the_close_mosaic_epoch_is_restored_only_when_asked():

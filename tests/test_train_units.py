@@ -194,23 +194,33 @@ def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
     """Micro-steps of 16 at batch 64: 800 images take 50 steps an epoch, the short last batch of 32 two of 16,
     and the warmup ticks run through them one for one as the batch-16 run's batches; without micro-steps a
     tick is a batch."""
-    from utils.engine.optim import StepPlan
-    plan = StepPlan.of(64, 4, 800)
-    assert (plan.per_batch, plan.part, plan.per_epoch) == (4, 16, 50)
-    assert plan.parts(64) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
-    assert plan.parts(32) == [slice(0, 16), slice(16, 32)]  # the epoch's last batch, as two of batch 16's
-    assert [s.stop - s.start for s in plan.parts(20)] == [10, 10] and plan.parts(3) == [slice(0, 3)]
+    from utils.engine.step import StepPlan
+    plan = StepPlan.of(64, 1, 16, 4, 800)
+    assert (plan.parts, plan.part, plan.ticks_per_epoch, plan.batches_per_epoch) == (4, 16, 50, 13)
+    assert (plan.accumulate, plan.images_per_step, plan.images_per_tick) == (1, 16, 16)
+    assert plan.slices(64) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
+    assert plan.slices(32) == [slice(0, 16), slice(16, 32)]  # the epoch's last batch, as two of batch 16's
+    assert [s.stop - s.start for s in plan.slices(20)] == [10, 10] and plan.slices(3) == [slice(0, 3)]
     assert [plan.tick(1, i, j) for i, j in ((0, 0), (0, 3), (1, 0), (12, 1))] == [50, 53, 54, 99]
-    assert sorted(s.stop - s.start for s in StepPlan.of(100, 6, 100).parts(100)) == [16, 16, 17, 17, 17, 17]
-    whole = StepPlan.of(16, 1, 800)
-    assert (whole.per_batch, whole.per_epoch, whole.parts(16), whole.tick(2, 5)) == (1, 50, [slice(0, 16)], 105)
-    assert StepPlan.of(16, 1, 801).per_epoch == 51  # a last batch of one image is a tick too
+    assert sorted(s.stop - s.start for s in StepPlan.of(100, 1, 16, 6, 100).slices(100)) == [16, 16, 17, 17, 17, 17]
+    whole = StepPlan.of(16, 1, 16, 1, 800)
+    assert (whole.parts, whole.ticks_per_epoch, whole.slices(16), whole.tick(2, 5)) == (1, 50, [slice(0, 16)], 105)
+    assert StepPlan.of(16, 1, 16, 1, 801).ticks_per_epoch == 51  # a last batch of one image is a tick too
+    two = StepPlan.of(128, 2, 16, 4, 400)  # two ranks: each cuts its 64 into four parts
+    assert (two.per_rank_batch, two.parts, two.part, two.batches_per_epoch, two.images_per_step) == (64, 4, 16, 7, 32)
 
 
 def test_accumulation_follows_the_chosen_step_size():
-    from utils.engine.optim import accumulate_steps
-    assert [accumulate_steps(b) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
+    """SGD gathers 64 images a step, the short run's AdamW 16; the plan and the summary read images per step from
+    one place."""
+    from utils.engine.step import StepPlan, accumulate_steps
+    assert [accumulate_steps(b, 64) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
     assert [accumulate_steps(b, 16) for b in (1, 4, 8, 16, 64)] == [16, 4, 2, 1, 1]
+    sgd = StepPlan.of(16, 1, 64, 1, 800)
+    assert (sgd.accumulate, sgd.images_per_step, sgd.images_per_tick) == (4, 64, 16)
+    assert sgd.describe() == "accumulate 4 (a step per 64 images)"
+    assert StepPlan.of(64, 1, 16, 4, 800).describe() == "4 optimizer steps per batch (a step per 16 images)"
+    assert sgd.record()["images_per_step"] == 64
 
 
 def test_a_resume_keeps_the_runs_optimizer_choice():
@@ -267,3 +277,23 @@ def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
     assert warmup_iters(3.0, 13, 30, batch_size=64) == 39  # 3 epochs of 800 images, not 8 epochs
     assert warmup_iters(3.0, 4, 30, batch_size=256) == 12 and warmup_iters(3.0, 2, 3, batch_size=256) == 7
     assert warmup_iters(3.0, 2, 1, batch_size=8) == 100
+
+
+def test_the_summary_says_how_a_batch_becomes_steps_and_why_and_names_an_unused_flag():
+    """One line per run on how a batch becomes optimizer steps on this device and why; a --micro-steps the run's
+    optimizer does not use is said at start, never silently ignored (an auto one, resolved by the device, is not)."""
+    from utils.engine.step import StepPlan, explain
+    hyp, rule = Hyp(), RECIPES["anchor-free"]
+    short = rule.optimizer("auto", hyp, nc=80, n_images=800, batch_size=64, epochs=30, step_images=16)
+    line, unused = explain(StepPlan.of(64, 1, 16, short.steps_per_batch, 800), short, "on", by_device=True)
+    assert line.startswith("4 optimizer steps per batch (a step per 16 images) at global batch 64: the short run's "
+                           "AdamW takes the batch-16 run's steps") and "on for a CPU" in line and unused is None
+    off = rule.optimizer("auto", hyp, nc=80, n_images=800, batch_size=64, epochs=30, step_images=0)
+    line, _ = explain(StepPlan.of(64, 1, 16, off.steps_per_batch, 800), off, "off", by_device=True)
+    assert line.endswith("one AdamW step per batch (--micro-steps auto: off on CUDA, where each step has a fixed "
+                         "cost; on takes the batch-16 run's steps)")
+    sgd = rule.optimizer("SGD", hyp, nc=80, n_images=800, batch_size=64, epochs=30)
+    line, unused = explain(StepPlan.of(64, 1, 64, 1, 800), sgd, "on", by_device=False)
+    assert line.endswith("SGD gathers 64 images a step")
+    assert unused.startswith("WARNING: --micro-steps on has no effect") and "this run trains SGD" in unused
+    assert explain(StepPlan.of(64, 1, 64, 1, 800), sgd, "on", by_device=True)[1] is None  # auto: nobody asked

@@ -13,24 +13,24 @@ import sys
 import torch
 
 from yolotrain.app import train
-from utils.engine import loop
+from utils.engine.step import Step
 
 calls = {int(c) for c in sys.argv[1].split(",")}
-real_backward = loop.backward
+real_backward = Step.backward
 count = 0
 usr1_at = int(os.environ.get("NAN_GRAD_USR1_AT", "0"))
 
 
-def poisoned_backward(t, loss):
+def poisoned_backward(step, loss):
     global count
     count += 1
     if count == usr1_at:
         os.kill(os.getpid(), signal.SIGUSR1)
-    if count in calls and t.info.rank == t.info.world_size - 1:
-        p = next(q for q in t.model.parameters() if q.requires_grad)
+    if count in calls and step.info.rank == step.info.world_size - 1:
+        p = next(q for q in step.model.parameters() if q.requires_grad)
         loss = loss + (p.sum() * 0).sqrt()  # value 0, gradient 0 * inf = NaN
-    real_backward(t, loss)
+    real_backward(step, loss)
 
 
-loop.backward = poisoned_backward
+Step.backward = poisoned_backward
 sys.exit(train.cli(sys.argv[2:]))

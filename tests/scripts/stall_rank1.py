@@ -9,11 +9,11 @@ import sys
 import time
 
 from yolotrain.app import train
-from utils.engine import loop
+from utils.engine import step
 
 LATE_S = 1.0  # rank 0's lag: its watchdog fires this much after rank 1's, within rank 1's grace
 
-real_check_step = loop.check_step
+real_check_step = step.check_step
 calls = 0
 
 
@@ -25,5 +25,5 @@ def stalling_check_step(window_bad, mloss, info, *args, **kwargs):
     return real_check_step(window_bad, mloss, info, *args, **kwargs)
 
 
-loop.check_step = stalling_check_step
+step.check_step = stalling_check_step
 sys.exit(train.cli(sys.argv[1:]))

@@ -17,6 +17,7 @@ from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
 from utils.data.images import IMG_SUFFIXES
+from utils.data.labels import resolve_image_files
 from utils.data import remote
 from utils.data.shards import index_meta, is_shard_index
 
@@ -169,6 +170,19 @@ def prepare_dataset(cfg: DataConfig) -> None:
                 raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
             if not _has_images(Path(p)):
                 raise UserError(f"{cfg.file}: '{key}' has no images: {p}")
+
+
+def count_images(cfg: DataConfig, split: str = "train") -> int:
+    """How many images a split lists, without reading a label or an image (or generating a built-in set): what a
+    refusal that depends on the schedule's length needs before the run starts. A shard index says it in its
+    json; a built-in set not made yet, in its generate_args (or its generator's default)."""
+    paths = getattr(cfg, split)
+    if is_shard_index(paths):
+        return int(index_meta(paths[0])["counts"]["images"])
+    if cfg.generate in GENERATORS and not all(Path(p).exists() for p in paths):
+        default = inspect.signature(GENERATORS[cfg.generate]).parameters.get(f"n_{split}")
+        return int(cfg.generate_args.get(f"n_{split}", default.default if default else 0))
+    return len(resolve_image_files(paths))
 
 
 def _root_candidates(cfg: DataConfig) -> list[tuple[Path, str]]:

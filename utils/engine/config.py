@@ -23,12 +23,12 @@ from utils.core.fileio import ROOT
 from utils.core.hyp import load_hyp
 from utils.core.logging import LOGGER
 from utils.core.runs import increment_path, latest_checkpoint
-from utils.data.config import load_data_config
+from utils.data.config import count_images, load_data_config
 from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
-from utils.engine.graphs import graphs_problem
-from utils.engine.optim import SHORT_RUN_BATCH
+from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH
 from utils.engine.recipe import Recipe, recipe_for
 from utils.engine.state import SavedRun
+from utils.engine.step import problems as step_problems
 from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
@@ -41,7 +41,8 @@ RESUME_HARMLESS = {"device", "augment_on", "workers", "epochs", "time", "nan_rec
                    "noval", "save_period", "save_interval", "keep_optimizer", "noplots", "threads", "deterministic",
                    "compile", "cuda_graphs", "tensorboard", "mlflow"}
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir",
-                      "sized_for"}
+                      "sized_for", "by_device"}
+BY_DEVICE = ("augment_on", "micro_steps")  # flags whose 'auto' the device resolves (the summary says which did)
 DEMO_DATA = ROOT / "data" / "shapes.yaml"  # train.py's --data default: the built-in set
 # --imgsz and --epochs when not given, by what is trained: the quick demo on the built-in set (minutes on a
 # CPU), and on a user's data the values YOLOv5 and Ultralytics users expect.
@@ -167,12 +168,9 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     """The frozen config: the image size and epochs by purpose (size_defaults), the device's layout and
     precision defaults, the family's hyp file, the run folder (rank 0's choice, shared: call it on every
     rank once the process group is up), --batch-size -1's profiled batch (every rank's GPU,
-    utils/engine/autobatch.py) and the global validation batch."""
+    utils/engine/autobatch.py) and the global validation batch; then every refusal of the step's settings
+    (utils/engine/step.problems), before anything is written."""
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
-    problem = args.cuda_graphs and graphs_problem(device, info.world_size, args.compile, args.rect, args.multi_scale,
-                                                  args.sync_bn)
-    if problem:
-        raise UserError(problem)
     model = None if saved else resume.fresh_model()
     hyp = args.hyp if saved or args.hyp else str(model.recipe.hyp)  # the family's loss-gain scale
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
@@ -184,10 +182,28 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
                                 device, info.world_size, amp, channels_last)
     val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
     dist.per_rank_batch(val_batch, info, "--val-batch-size")
-    return RunConfig(**{**args.as_dict(), "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
-                        "channels_last": channels_last, "amp": amp, "batch_size": batch,
-                        "val_batch_size": val_batch, "augment_on": augment_default(args.augment_on, device),
-                        "micro_steps": micro_steps_default(args.micro_steps, device)})
+    given = args.as_dict()
+    by_device = [k for k in BY_DEVICE if given[k] == "auto"] + [  # on a resume, what was auto then and stands
+        k for k in (saved.args.get("by_device") or [] if saved else []) if given[k] == saved.args.get(k)]
+    cfg = RunConfig(**{**given, "hyp": hyp, "save_dir": str(dist.broadcast_object(str(save_dir))),
+                       "channels_last": channels_last, "amp": amp, "batch_size": batch, "val_batch_size": val_batch,
+                       "augment_on": augment_default(args.augment_on, device),
+                       "micro_steps": micro_steps_default(args.micro_steps, device), "by_device": by_device})
+    found = step_problems(cfg, device, info.world_size, lambda: _nominal_batch(cfg, saved, model, info.world_size))
+    if found:  # before the run folder, the data scan and the model build: a refused command leaves nothing
+        raise UserError("; ".join(found))
+    return cfg
+
+
+def _nominal_batch(cfg: RunConfig, saved: SavedRun | None, model: ModelSource | None, world_size: int) -> int:
+    """The images per optimizer step the run's optimizer gathers to, before any data is scanned: a resumed run's
+    own; a fresh run's by its family's rule, on the train split's listed images."""
+    if saved:
+        return saved.optimizer_choice.nominal_batch if saved.optimizer_choice else NOMINAL_BATCH
+    data = load_data_config(cfg.data)
+    return model.recipe.optimizer(cfg.optimizer, load_hyp(cfg.hyp), 1 if cfg.single_cls else data.nc,
+                                  count_images(data), cfg.batch_size, cfg.epochs, world_size,
+                                  step_images=micro_step_images(cfg.micro_steps)).nominal_batch
 
 
 def augment_default(flag: str, device: torch.device) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from models.yolo import de_parallel
 from utils.core.callbacks import Callbacks
 from utils.engine.preempt import StopRequest
 from utils.engine.setup import Training
@@ -47,8 +46,8 @@ class TrainEvent:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The training model, unwrapped from DDP."""
-        return de_parallel(self.training.model)
+        """The training model (the plain one: DDP and --compile wrap it inside the step)."""
+        return self.training.model
 
     @property
     def ema(self) -> torch.nn.Module:
@@ -99,7 +98,7 @@ class RunEvents:
             return
         t, s = self.t, self.t.state
         self.callbacks.run(event, TrainEvent(event=event, save_dir=t.save_dir, epoch=s.epoch, epochs=s.epochs,
-                                             batch=s.batch, batches=t.batches_per_epoch, training=t, stop=self.stop,
+                                             batch=s.batches_done, batches=t.batches_per_epoch, training=t, stop=self.stop,
                                              **fields))
 
     def batch_end(self, ni: int, mloss: torch.Tensor | tuple[float, ...], stepped: bool) -> None:

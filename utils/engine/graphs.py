@@ -14,7 +14,8 @@ DDP's forward broadcasts the BatchNorm buffers and prepares its reducer outside 
 replayed backward hands the parameters are all-reduced outside them too, all at once after the backward rather
 than overlapping it. No collective runs inside a capture, so a rank capturing anew alone waits for nobody.
 
-What it relies on, checked before the run starts (``graphs_problem``, ``accumulation_problem``): a fixed input
+What it relies on, checked before the run starts (``graphs_problems``, ``accumulation_problem``, by
+utils/engine/step.problems): a fixed input
 shape (no --rect, --multi-scale), no --compile, no --sync-bn on several ranks (its exchange runs in the forward),
 and one backward per optimizer step. The graphed backward hands each parameter a view of its captured gradient;
 the optimizer step's ``zero_grad`` lets go of it before the next replay writes there, which a second backward
@@ -36,19 +37,21 @@ from utils.core.logging import LOGGER
 MIN_SLOTS = 32  # the fewest target slots per image a captured loss holds (slots_for)
 
 
-def graphs_problem(device: torch.device, world_size: int, compile_: bool, rect: bool, multi_scale: bool,
-                   sync_bn: bool = False) -> str | None:
-    """Why --cuda-graphs cannot run with these settings, as a message; None when it can."""
+def graphs_problems(device: torch.device, world_size: int, compile_: bool, rect: bool, multi_scale: bool,
+                    sync_bn: bool = False) -> list[str]:
+    """Why --cuda-graphs cannot run with these settings, one sentence each; [] when it can."""
+    found = []
     if device.type != "cuda":
-        return f"--cuda-graphs needs a CUDA device (this run is on {device.type})"
+        found.append(f"--cuda-graphs needs a CUDA device (this run is on {device.type})")
     if sync_bn and world_size > 1:
-        return ("--cuda-graphs and --sync-bn: SyncBatchNorm exchanges statistics between ranks inside the forward, "
-                "which a graph cannot hold; choose one")
+        found.append("--cuda-graphs and --sync-bn: SyncBatchNorm exchanges statistics between ranks inside the "
+                     "forward, which a graph cannot hold; choose one")
     if compile_:
-        return "--cuda-graphs and --compile both change how the step is launched; choose one"
+        found.append("--cuda-graphs and --compile both change how the step is launched; choose one")
     if rect or multi_scale:
-        return f"--cuda-graphs needs one input shape for the run; --{'rect' if rect else 'multi-scale'} changes it"
-    return None
+        found.append(f"--cuda-graphs needs one input shape for the run; --{'rect' if rect else 'multi-scale'} "
+                     "changes it")
+    return found
 
 
 def accumulation_problem(batch: int, accumulate: int, nominal_batch: int) -> str | None:

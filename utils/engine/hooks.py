@@ -27,7 +27,7 @@ from utils.weights.checkpoint import save_checkpoint, strip_optimizer
 class SaveClock:
     """--save-interval: rank 0's clock says when a mid-epoch last.pt is due.
 
-    Only rank 0 reads the time; its answer travels in the step's all-reduce (loop.check_step), so
+    Only rank 0 reads the time; its answer travels in the step's all-reduce (step.check_step), so
     every rank agrees on the step at which the save happens.
     """
 
@@ -77,7 +77,7 @@ class Checkpointer:
         if not self.info.is_main:
             return
         self._save(t.checkpoint(), self.last)
-        LOGGER.info(f"Saved {self.last} at epoch {t.state.epoch + 1}, batch {t.state.batch}/{t.batches_per_epoch}")
+        LOGGER.info(f"Saved {self.last} at epoch {t.state.epoch + 1}, batch {t.state.batches_done}/{t.batches_per_epoch}")
 
     def finish(self, strip: bool) -> None:
         """Strip the optimizer from the final checkpoints (smaller, inference-ready)."""

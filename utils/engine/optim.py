@@ -20,11 +20,6 @@ NOMINAL_BATCH = 64  # weight decay is expressed per this many images; SGD recipe
 SHORT_RUN_BATCH = 16  # --optimizer auto's short-run AdamW steps once per this many images
 
 
-def accumulate_steps(batch_size: int, nominal_batch: int = NOMINAL_BATCH) -> int:
-    """Gradient accumulation so each optimizer step sees about ``nominal_batch`` images."""
-    return max(round(nominal_batch / batch_size), 1)
-
-
 @dataclass(frozen=True)
 class OptimizerChoice:
     """The optimizer a run trains with, after --optimizer auto is resolved. Saved in checkpoints so a
@@ -37,7 +32,7 @@ class OptimizerChoice:
     reason: str
     nominal_batch: int = NOMINAL_BATCH  # images per optimizer step (accumulated); runs saved before it: 64
     class_lr_gain: float = 1.0  # LR multiplier on the head's class branches (Head.class_branches)
-    steps_per_batch: int = 1  # optimizer steps per rank batch, one per part of it (loop.micro_steps)
+    steps_per_batch: int = 1  # optimizer steps per rank batch, one per part of it (utils/engine/step.py)
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,
@@ -112,39 +107,9 @@ def warmup_iters(warmup_epochs: float, batches_per_epoch: int, epochs: int | Non
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """How this rank's batches become optimizer steps. A short run's large batch (recipe.steps_per_batch) is
-    cut into consecutive parts of at most ``part`` images, each its own step; the warmup ramps per part, so on
-    one rank a run at batch 64 takes the batch-16 run's steps, on the same images at the same LR. Without
-    micro-steps a part is the whole batch and a tick is a batch, as in YOLOv5's warmup."""
-
-    per_batch: int  # parts of a full batch
-    part: int  # the most images in a part
-    per_epoch: int  # parts in an epoch on this rank (the warmup's ticks)
-
-    @classmethod
-    def of(cls, batch: int, steps_per_batch: int, samples: int) -> StepPlan:
-        """``batch`` images per rank per batch, ``samples`` per rank per epoch (the last batch holds the rest)."""
-        part = math.ceil(batch / max(steps_per_batch, 1))
-        per_batch, (full, rest) = math.ceil(batch / part), divmod(samples, batch)
-        return cls(per_batch, part, full * per_batch + math.ceil(rest / part))
-
-    def parts(self, n: int) -> list[slice]:
-        """A batch of ``n`` images in ceil(n / part) consecutive slices whose lengths differ by at most one: an
-        epoch's short last batch of 32 at parts of 16 is two steps of 16, as the batch-16 run takes them."""
-        bounds = np.linspace(0, n, max(math.ceil(n / self.part), 1) + 1).round().astype(int)
-        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-    def tick(self, epoch: int, i: int, j: int = 0) -> int:
-        """Part ``j`` of batch ``i`` of ``epoch``, counted from the run's start (the batch count ``ni`` when a
-        batch is one part)."""
-        return epoch * self.per_epoch + i * self.per_batch + j
-
-
-@dataclass(frozen=True)
 class Warmup:
     """Linear warmup of LR (bias group from warmup_bias_lr down, others from 0 up) and momentum, over ``iters``
-    ticks (StepPlan: batches, or a short run's micro-steps); applied by LRSchedule."""
+    ticks (step.StepPlan: batches, or a short run's micro-steps); applied by LRSchedule."""
 
     iters: int
     bias_lr: float
@@ -176,7 +141,7 @@ class LRSchedule:
         return [g["lr"] for g in self.optimizer.param_groups[:3]]
 
     def warmup_step(self, ni: int, epoch: int) -> None:
-        """Tick ``ni`` (StepPlan.tick, counted from the run's start) of warmup: ramp LR and momentum, then apply
+        """Tick ``ni`` (step.StepPlan.tick, counted from the run's start) of warmup: ramp LR and momentum, then apply
         the scale."""
         if ni > self.warmup.iters:
             return

@@ -1,9 +1,9 @@
 """A scheduler's polite stop: SIGTERM (torchrun, Kubernetes, most schedulers) or SIGUSR1 (SLURM's
 ``--signal=USR1@90``) asks training to save and leave.
 
-The handler only records the request; the training loop reads it on every rank at each step and
-carries it in the step's all-reduce (``loop.check_step``), so every rank stops at the same
-optimizer step, even when only one of them got the signal. There the Checkpointer writes a
+The handler only records the request; the training step reads it on every rank at each optimizer step and
+carries it in the step's all-reduce (``step.check_step``), so every rank agrees (``agreed``) and stops at the
+same optimizer step, even when only one of them got the signal. There the Checkpointer writes a
 mid-epoch ``last.pt`` and train.py exits with ``EXIT_PREEMPTED``, so ``--resume auto`` on the
 next launch continues exactly.
 
@@ -26,12 +26,17 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None  # the first signal's name; a second one changes nothing
+        self.agreed = False  # every rank learned of a signal at a step: the run leaves there (or at the epoch's end)
         self.asked: str | None = None  # a listener's reason to end the run after the epoch in progress
         self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
+
+    def agree(self, stop: bool) -> None:
+        """A step's all-reduce said whether a stop signal reached some rank; once agreed it stays agreed."""
+        self.agreed = self.agreed or stop
 
     def ask(self, reason: str) -> None:
         """A listener on rank 0 asks the run to end after the epoch in progress (the first reason is kept)."""

@@ -17,12 +17,12 @@ from models.registry import head_class
 from utils.core.fileio import ROOT
 from utils.core.hyp import Hyp
 from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
+from utils.engine.step import MICRO_BATCH_FLOOR, images_per_step
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
 SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)
 SHORT_LR_MAX = 0.004  # no gain lifts a short-run AdamW LR above this (the highest measured, at 11 classes: 0.0053)
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
-MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)
 
 AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images,
 # batch, epochs, ranks, step_images
@@ -83,7 +83,8 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     gained = recipe.short_lr_gain != 1.0
     lr = max(fit, min(fit * recipe.short_lr_gain, SHORT_LR_MAX)) if gained else fit
     parts = steps_per_batch(batch_size, ranks, step_images) if step_images else 1
-    gain = large_batch_gain(batch_size / parts)
+    # a step of one batch, or of a part: below SHORT_RUN_BATCH images a batch accumulates to it at the LR as it is
+    gain = large_batch_gain(images_per_step(batch_size, 1, parts))
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
     family = f" x {recipe.short_lr_gain:g} (at most {SHORT_LR_MAX:g})" if gained else ""
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,

@@ -1,6 +1,6 @@
 """--nan-recover N: survive a non-finite loss instead of stopping the run.
 
-By default a NaN/inf loss on any rank stops every rank together (loop.check_step), which is right
+By default a NaN/inf loss on any rank stops every rank together (step.check_step), which is right
 when the recipe is broken. With ``--nan-recover N`` the ranks, having agreed on the bad step in the
 same all-reduce, roll back together instead: to the state from before the last optimizer step,
 which every batch since the step before it had scored with a finite loss. The batches since the last

@@ -1,12 +1,11 @@
 """Building a training run: one place that turns the resolved config into everything the loop needs.
 
 ``build_training`` is used by train.py and by the bench scripts, so what they measure is what
-trains. Its stages run in a fixed order (run folder, data, model, loaders, anchors, optimizer,
-resume state, DDP) because each consumes the previous ones' results.
+trains. Its stages run in a fixed order (run folder, data, model, loaders, anchors, the step plan and
+optimizer, resume state, the step) because each consumes the previous ones' results.
 """
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,9 @@ import yaml
 from torch import nn
 
 from models.heads.base import Criterion
-from models.yolo import Model, ModelInfo, de_parallel, round_to_stride
-from utils.core import dist, precision
+from models.yolo import Model, ModelInfo, round_to_stride
+from utils.core import dist
 from utils.core.dist import DistInfo
-from utils.core.errors import UserError
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
@@ -28,19 +26,19 @@ from utils.data.loader import create_dataloader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
-from utils.engine.graphs import StepLoss, accumulation_problem
 from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
-    StepPlan, accumulate_steps, smart_optimizer, warmup_iters
+    smart_optimizer, warmup_iters
 from utils.engine.recipe import RECIPES
 from utils.engine.recover import NanRecovery
 from utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
+from utils.engine.step import Step, StepOptions, StepPlan
 from utils.weights.checkpoint import to_plain
 
 
 @dataclass
 class Training:
     """Everything a run trains with, built once. The loop changes the model, its EMA, the optimizer,
-    the scaler and the run state inside it, and nothing else."""
+    the scaler, the step's counters and the run state inside it, and nothing else."""
 
     cfg: RunConfig
     info: DistInfo
@@ -49,7 +47,7 @@ class Training:
     hyp: Hyp
     data: DataConfig
     names: list[str]
-    model: nn.Module  # DDP-wrapped when distributed
+    model: nn.Module  # the plain model (what DDP or --compile wrap lives in ``step``)
     model_info: ModelInfo
     ema: ModelEMA
     optimizer_choice: OptimizerChoice
@@ -57,16 +55,17 @@ class Training:
     lr: LRSchedule  # the one writer of the optimizer's learning rates
     scaler: torch.amp.GradScaler
     criterion: Criterion
-    step_loss: StepLoss  # the training forward and loss: eager, or replayed as CUDA graphs (--cuda-graphs)
+    step: Step  # how a batch becomes optimizer steps (utils/engine/step.py)
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
     imgsz: int
     grid: int  # the largest stride (at least 32): image sizes are multiples of it
-    batch: int  # images per rank per step
-    accumulate: int  # batches per optimizer step after warmup
-    steps: StepPlan  # a short run's large batch in micro-steps (the warmup counts them)
     memory_format: torch.memory_format
     state: RunState  # where the run stands, and every component's state
+
+    @property
+    def plan(self) -> StepPlan:
+        return self.step.plan
 
     @property
     def batches_per_epoch(self) -> int:
@@ -88,15 +87,9 @@ class Training:
         under --amp (recorded in checkpoints, so val.py --half repeats the logged metrics)."""
         return self.amp
 
-    def autocast(self) -> torch.autocast:
-        """The forward and loss precision of --amp (off: fp32). CUDA graphs capture the casts themselves, so
-        autocast's cache of cast weights is off under --cuda-graphs (make_graphed_callables requires it)."""
-        return torch.autocast(self.device.type, dtype=precision.amp_dtype(self.device), enabled=self.amp,
-                              cache_enabled=not self.cfg.cuda_graphs)
-
     def checkpoint(self) -> dict:
         """The run state and the run's record, as a checkpoint file holds them (utils/engine/state.py)."""
-        record = RunRecord(model_yaml=de_parallel(self.model).yaml, optimizer_choice=self.optimizer_choice,
+        record = RunRecord(model_yaml=self.model.yaml, optimizer_choice=self.optimizer_choice, step=self.plan.record(),
                            seed=self.cfg.seed, world_size=self.info.world_size, hyp=self.hyp.as_dict(),
                            args={**self.cfg.as_dict(), "epochs": self.state.epochs, "imgsz": self.imgsz},
                            names=list(self.names),
@@ -106,7 +99,7 @@ class Training:
 
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,
                    started: float | None = None, source: ModelSource | None = None) -> Training:
-    """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> DDP.
+    """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> the step.
     ``source``: a fresh run's model yaml and --weights as read by resolve_resume (read here when not given)."""
     source = None if saved else source or resolve_model(cfg)
     # the family's defaults (utils/engine/recipe.py); runs saved before the optimizer choice was recorded trained
@@ -126,39 +119,38 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
         cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size,
         step_images=micro_step_images(cfg.micro_steps))
-    accumulate = accumulate_steps(cfg.batch_size, choice.nominal_batch)
-    problem = cfg.cuda_graphs and accumulation_problem(cfg.batch_size, accumulate, choice.nominal_batch)
-    if problem:
-        raise UserError(problem)
-    steps = StepPlan.of(batch, choice.steps_per_batch, train_loader.sampler.num_samples)
-    step_images = cfg.batch_size * accumulate / steps.per_batch
-    decay = hyp.weight_decay * step_images / NOMINAL_BATCH  # the same decay per image at any step size
+    plan = StepPlan.of(cfg.batch_size, info.world_size, choice.nominal_batch, choice.steps_per_batch,
+                       train_loader.sampler.num_samples)
+    parts = build_optimizer(cfg, hyp, model, choice, plan, device, started)
+    state = RunState(batches_per_epoch=plan.batches_per_epoch, model=model, sampler=train_loader.sampler, **parts)
+    if saved:
+        state.load_state_dict(saved.ckpt, restore_mosaic=bool(cfg.time))  # --time had moved close_mosaic
+    criterion = model.detect.build_criterion(hyp, imgsz)
+    step = Step(model, criterion, state.optimizer, state.scaler, state.ema, state.lr, plan, state.recovery, info,
+                device, StepOptions(amp=bool(cfg.amp), graphs=cfg.cuda_graphs, sync_bn=cfg.sync_bn, compile=cfg.compile))
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
+                    model_info=model_info, ema=state.ema, optimizer_choice=choice, optimizer=state.optimizer,
+                    lr=state.lr, scaler=state.scaler, criterion=criterion, step=step, train_loader=train_loader,
+                    val_loader=val_loader, imgsz=imgsz, grid=grid, memory_format=memory_format, state=state)
+
+
+def build_optimizer(cfg: RunConfig, hyp: Hyp, model: nn.Module, choice: OptimizerChoice, plan: StepPlan,
+                    device: torch.device, started: float | None) -> dict:
+    """The optimizer with its decay per image, the EMA, the GradScaler, the warmup and LR schedule, the early stop,
+    the NaN recovery and the time budget: the run state's components, by name."""
+    decay = hyp.weight_decay * plan.images_per_step / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
                                 model.detect.class_branches(), choice.class_lr_gain)
     ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
-    nb = len(train_loader)  # before any resume skip shortens the sampler
-    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, steps.per_epoch, None if cfg.time else cfg.epochs,
-                                       round(cfg.batch_size / steps.per_batch)),
+    warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, plan.ticks_per_epoch, None if cfg.time else cfg.epochs,
+                                       round(plan.images_per_tick)),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
     lr = LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr)
-    state = RunState(epochs=cfg.epochs, batches_per_epoch=nb, model=model, ema=ema, optimizer=optimizer, scaler=scaler,
-                     lr=lr, sampler=train_loader.sampler, stopper=EarlyStopping(patience=cfg.patience),
-                     recovery=NanRecovery(cfg.nan_recover, model, ema, optimizer, scaler),
-                     clock=TimeBudget(cfg.time, started))
-    if saved:
-        state.load_state_dict(saved.ckpt, restore_mosaic=bool(cfg.time))  # --time had moved close_mosaic
-    model = wrap_model(model, cfg, info, device)
-    state.model = model
-    criterion = de_parallel(model).detect.build_criterion(hyp, imgsz)
-    step_loss = StepLoss(model, criterion, graphs=cfg.cuda_graphs,
-                         wrap=functools.partial(dist.smart_DDP, device=device))  # DDP under graphs: wrap_model
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
-                    model_info=model_info, ema=ema, optimizer_choice=choice, optimizer=optimizer, lr=lr, scaler=scaler,
-                    criterion=criterion, step_loss=step_loss, train_loader=train_loader, val_loader=val_loader,
-                    imgsz=imgsz, grid=grid, batch=batch, accumulate=accumulate, steps=steps,
-                    memory_format=memory_format, state=state)
+    return dict(epochs=cfg.epochs, ema=ema, optimizer=optimizer, scaler=scaler, lr=lr,
+                stopper=EarlyStopping(patience=cfg.patience),
+                recovery=NanRecovery(cfg.nan_recover, model, ema, optimizer, scaler), clock=TimeBudget(cfg.time, started))
 
 
 def make_run_dir(cfg: RunConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
@@ -239,24 +231,6 @@ def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, im
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
         train_loader.sampler.close_mosaic_from(mosaic_off_from(hyp.close_mosaic, opt.epochs))
     return train_loader, val_loader
-
-
-def wrap_model(model: nn.Module, opt: RunConfig, info: DistInfo, device: torch.device) -> nn.Module:
-    """SyncBatchNorm when asked (CUDA DDP only), then DDP when distributed, then --compile. Under --cuda-graphs
-    the model stays plain: DDP wraps the graphed unit instead (utils/engine/graphs.StepLoss)."""
-    sync_bn = bool(opt.sync_bn and info.distributed and device.type == "cuda")
-    if sync_bn:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        LOGGER.info("Using SyncBatchNorm")
-    elif opt.sync_bn:
-        LOGGER.warning("WARNING: --sync-bn needs CUDA and more than one rank; using plain BatchNorm")
-    if not opt.cuda_graphs:
-        model = dist.smart_DDP(model, device, sync_bn=sync_bn)
-    if opt.compile:  # in place, after DDP (torch's advice): the module stays a DDP, its state_dict keys plain
-        model.compile()
-        LOGGER.info("--compile: torch.compile on the training model; the first steps, and each new input shape, "
-                    "compile and are slow (validation runs the EMA model uncompiled)")
-    return model
 
 
 def init_seeds(seed: int) -> None:

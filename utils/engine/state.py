@@ -7,9 +7,9 @@ EMA, the early stop, the LR schedule (its --nan-recover scale), the sampler (clo
 NaN recovery and the time budget (the run's timings); the model, optimizer, GradScaler and RNG
 states are torch's own. ``SavedRun`` is a checkpoint read back for a resume, as typed fields.
 
-Where the run stands is one cursor: ``epoch`` (0-based, the epoch in progress) and ``batch`` (its
-batches done). A checkpoint taken inside an epoch records the epochs done before it and
-``batches_done``; one taken after an epoch's last batch records that epoch.
+Where the run stands is one cursor: ``epoch`` (0-based, the epoch in progress) and ``batches_done``
+(of it). A checkpoint taken inside an epoch records the epochs done before it and ``batches_done``;
+one taken after an epoch's last batch records that epoch.
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ class RunState:
 
     epochs: int  # the run's length: --epochs, or what --time refitted it to
     batches_per_epoch: int  # per rank, a whole epoch
-    model: nn.Module  # DDP-wrapped when distributed
+    model: nn.Module  # the plain model (utils/engine/step.py wraps what the forward runs)
     ema: ModelEMA
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -145,7 +145,7 @@ class RunState:
     recovery: NanRecovery
     clock: TimeBudget
     epoch: int = 0  # the epoch in progress (0-based)
-    batch: int = 0  # batches of it done
+    batches_done: int = 0  # batches of it done (the resume position; a checkpoint's batches_done)
     mloss: torch.Tensor | None = None  # running mean loss over ranks at ``batch`` (saved and resumed mid-epoch)
     best_fitness: float = 0.0
     metrics: DetectionMetrics | None = None  # the last validation's
@@ -158,7 +158,7 @@ class RunState:
 
     @property
     def mid_epoch(self) -> bool:
-        return 0 < self.batch < self.batches_per_epoch
+        return 0 < self.batches_done < self.batches_per_epoch
 
     def replan(self, epochs: int, close_mosaic: int) -> None:
         """--time refitted the run to ``epochs``: the LR schedule and close_mosaic follow (a closed mosaic stays closed)."""
@@ -182,7 +182,7 @@ class RunState:
         if self.tracking:  # a resumed run continues the same tracker run (utils/engine/track)
             out["tracking"] = dict(self.tracking)
         if mid:
-            out.update(batches_done=self.batch, mloss=self.mloss.tolist(), **self.lr.state_dict())
+            out.update(batches_done=self.batches_done, mloss=self.mloss.tolist(), **self.lr.state_dict())
         return out
 
     def load_state_dict(self, ckpt: dict[str, Any], restore_mosaic: bool) -> None:
@@ -194,10 +194,10 @@ class RunState:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.stopper.load_state_dict(ckpt["early_stop"])
         set_rng_states(ckpt["rng"], self.device)
-        self.epoch, self.batch = ckpt["epoch"] + 1, int(ckpt.get("batches_done", 0))
-        self.mloss = torch.tensor(ckpt["mloss"], device=self.device) if self.batch else None
+        self.epoch, self.batches_done = ckpt["epoch"] + 1, int(ckpt.get("batches_done", 0))
+        self.mloss = torch.tensor(ckpt["mloss"], device=self.device) if self.batches_done else None
         self.best_fitness = ckpt["best_fitness"]
-        self.lr.load_state_dict(ckpt if self.batch else {}, self.epoch)
+        self.lr.load_state_dict(ckpt if self.batches_done else {}, self.epoch)
         self.clock.load_state_dict(ckpt)
         self.recovery.load_state_dict(ckpt.get("nan_recovery"))
         if restore_mosaic and "mosaic_off_from_epoch" in ckpt:
@@ -214,6 +214,7 @@ class RunRecord:
 
     model_yaml: dict[str, Any]
     optimizer_choice: OptimizerChoice
+    step: dict[str, Any]  # StepPlan.record(): how a batch became optimizer steps, and the images per step
     seed: int
     world_size: int
     hyp: dict[str, Any]
@@ -223,7 +224,7 @@ class RunRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"model_yaml": to_plain(self.model_yaml), "optimizer_choice": asdict(self.optimizer_choice),
-                "seed": self.seed, "world_size": self.world_size, "hyp": self.hyp, "args": to_plain(self.args),
+                "step": to_plain(self.step), "seed": self.seed, "world_size": self.world_size, "hyp": self.hyp, "args": to_plain(self.args),
                 "names": list(self.names), "val_precision": self.val_precision, "versions": versions(),
                 "date": now_iso()}
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from models.yolo import de_parallel
 from utils.core import precision
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER, colorstr
@@ -11,18 +10,20 @@ from utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
 from utils.engine.recipe import RECIPES
 from utils.engine.setup import Training
 from utils.engine.state import saved_metrics
+from utils.engine.step import explain
 
 
 def log_start_summary(t: Training) -> None:
     """One block before the first step: where, on what, with which data, model and settings."""
-    info, opt = t.info, t.cfg
+    info, opt, plan = t.info, t.cfg, t.plan
+    steps, unused = explain(plan, t.optimizer_choice, opt.micro_steps, "micro_steps" in (opt.by_device or []))
     kind = (f"CUDA x {info.world_size} rank(s) on {info.world_size // max(info.local_world_size, 1)} node(s)"
             if t.device.type == "cuda" else f"CPU x {info.world_size} rank(s), {torch.get_num_threads()} threads each")
     lines = [colorstr("Run: ") + f"{t.save_dir} (opt.yaml, hyp.yaml, results.csv, weights/)",
              colorstr("Devices: ") + kind,
-             colorstr("Batch: ") + f"global {t.batch * info.world_size} = {info.world_size} x {t.batch} per rank, "
-             + step_note(t.batch * info.world_size, t.accumulate, t.steps.per_batch)
-             + f"; {t.batches_per_epoch} batches per epoch per rank",
+             colorstr("Batch: ") + f"global {plan.global_batch} = {info.world_size} x {plan.per_rank_batch} per rank, "
+             f"{t.batches_per_epoch} batches per epoch per rank",
+             colorstr("Steps: ") + steps,
              colorstr("Data: ") + str(t.data.file)]
     for split, loader in (("train", t.train_loader), ("val", t.val_loader)):
         c = loader.dataset.counts
@@ -33,29 +34,24 @@ def log_start_summary(t: Training) -> None:
     numerics = f"{str(precision.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
     lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
                  f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {numerics}")
-    family = RECIPES[de_parallel(t.model).detect.family].hyp
+    family = RECIPES[t.model.detect.family].hyp
     changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
         f"differing from {family.name}: " + ", ".join(f"{k}={v:g} ({d:g})" for k, (v, d) in changed.items())
         if changed else f"the family's defaults ({family.name})"))
     c = t.optimizer_choice
     lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.lr.warmup.iters} "
-                 f"{'optimizer steps' if t.steps.per_batch > 1 else 'iterations'} (bias lr from "
+                 f"{'optimizer steps' if plan.parts > 1 else 'iterations'} (bias lr from "
                  f"{c.warmup_bias_lr:g}); {c.reason}")
-    epoch, batches = t.state.epoch, t.state.batch
+    epoch, batches = t.state.epoch, t.state.batches_done
     where = f"epoch {epoch + 1}" + (f", batch {batches + 1}" if batches else "")
     plan = (f"for {opt.time:g} h (--time: the epochs that fit, refitted after each epoch; {t.state.epochs} planned until "
             "the first is timed)" if opt.time else f"{t.state.epochs} epochs")
     lines.append(f"Training {plan} of {t.imgsz} px images" + (f", resuming at {where}" if epoch or batches else "")
                  + sizing_note(opt))
     LOGGER.info("\n".join(lines))
-
-
-def step_note(global_batch: int, accumulate: int, parts: int) -> str:
-    """How many images each optimizer step sees: batches accumulated, or a batch cut into micro-steps."""
-    if parts > 1:
-        return f"{parts} optimizer steps per batch (a step per {global_batch / parts:g} images)"
-    return f"accumulate {accumulate} (a step per {global_batch * accumulate} images)"
+    if unused and not t.state.resumed:
+        LOGGER.warning(unused)
 
 
 def sizing_note(opt) -> str:

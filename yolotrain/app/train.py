@@ -34,9 +34,9 @@ from utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_
 from utils.engine.hooks import Hooks, build_hooks
 from utils.engine.loop import run_epochs
 from utils.engine.preempt import StopRequest
-from utils.engine.recipe import MICRO_BATCH_FLOOR
 from utils.engine.setup import Training, build_training
 from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
+from utils.engine.step import MICRO_BATCH_FLOOR
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.engine.track import check_packages
 from yolotrain.app.search.evolve import evolve
