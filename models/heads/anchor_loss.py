@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.heads.base import Head
+from models.heads.base import ALONE, Head, Ranks
 from models.heads.tal import bbox_ciou
 from utils.core.hyp import Hyp
 from utils.core.transfer import to_device
@@ -52,12 +52,15 @@ class FocalLoss(nn.Module):
         super().__init__()
         self.gamma, self.alpha = gamma, alpha
 
-    def forward(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor | None = None,
+                count: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean over the elements, or (``count``) the sum divided by it."""
         loss = F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight, reduction="none")
         prob = pred.sigmoid()
         p_t = true * prob + (1 - true) * (1 - prob)
         alpha_factor = true * self.alpha + (1 - true) * (1 - self.alpha)
-        return (loss * alpha_factor * (1.0 - p_t) ** self.gamma).mean()
+        loss = loss * alpha_factor * (1.0 - p_t) ** self.gamma
+        return loss.mean() if count is None else loss.sum() / count
 
 
 class AnchorLoss:
@@ -84,8 +87,11 @@ class AnchorLoss:
     def set_progress(self, epoch: int, epochs: int) -> None:
         """The same loss at every epoch."""
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (total loss * batch size, shape (1,)) and detached [box, obj, cls] items."""
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor,
+                 ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (total loss * batch size, shape (1,)) and detached [box, obj, cls] items. The box and class
+        terms are means over each level's matches: this rank's, or (``ranks``) its share of every rank's. The
+        objectness term is a mean over every cell, as many on each rank as its batch holds."""
         device = preds[0].device
         cls_pw, obj_pw = self._pos_weight(device)
         lbox = torch.zeros(1, device=device)
@@ -93,6 +99,7 @@ class AnchorLoss:
         lcls = torch.zeros(1, device=device)
         matches = self.build_targets(preds, targets.to(torch.float32))  # on the host: the loader's rows
         tcls, tbox, indices, anchors = matches_to_device(device, *matches)
+        shares = None if ranks.alone else ranks.share(torch.tensor([float(len(m)) for m in matches[0]], device=device))
         for i, pi in enumerate(preds):
             b, a, gj, gi = indices[i]
             tobj = torch.zeros(pi.shape[:4], dtype=torch.float32, device=device)
@@ -104,13 +111,13 @@ class AnchorLoss:
                 pwh = ((ps[:, 2:4].sigmoid() * 2) ** 2 * anchors[i]).clamp(min=1e-3)
                 # CIoU without masks (torchvision's box losses index by mask: a host sync per call on CUDA)
                 ciou = bbox_ciou(_xywh2xyxy(pxy, pwh), _xywh2xyxy(tbox[i][:, :2], tbox[i][:, 2:]))
-                lbox += (1.0 - ciou).mean()
+                lbox += (1.0 - ciou).mean() if shares is None else (1.0 - ciou).sum() / shares[i]
                 iou = ciou.detach().clamp(0)  # CIoU of each match
                 tobj[b, a, gj, gi] = (1.0 - self.gr) + self.gr * iou
                 if self.nc > 1:  # one class needs no classifier
                     t = torch.full_like(ps[:, 5:], self.cn)
                     t[torch.arange(b.shape[0], device=device), tcls[i]] = self.cp
-                    lcls += self._bce(ps[:, 5:], t, cls_pw)
+                    lcls += self._bce(ps[:, 5:], t, cls_pw, None if shares is None else shares[i] * self.nc)
             lobj += self._bce(pi[..., 4].float(), tobj, obj_pw) * self.balance[i]
         lbox *= self.gains.box
         lobj *= self.gains.obj
@@ -118,10 +125,15 @@ class AnchorLoss:
         bs = preds[0].shape[0]
         return (lbox + lobj + lcls) * bs, torch.cat((lbox, lobj, lcls)).detach()
 
-    def _bce(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor) -> torch.Tensor:
+    def _bce(self, pred: torch.Tensor, true: torch.Tensor, pos_weight: torch.Tensor,
+             count: torch.Tensor | None = None) -> torch.Tensor:
+        """BCE-with-logits (focal when fl_gamma > 0): the mean over the elements, or their sum divided by
+        ``count``."""
         if self.focal is not None:
-            return self.focal(pred, true, pos_weight)
-        return F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight)
+            return self.focal(pred, true, pos_weight, count)
+        if count is None:
+            return F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight)
+        return F.binary_cross_entropy_with_logits(pred, true, pos_weight=pos_weight, reduction="sum") / count
 
     def _pos_weight(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """BCE pos_weight tensors, made once per device (avoids a host-to-device copy per step)."""

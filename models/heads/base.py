@@ -24,11 +24,41 @@ from torch import nn
 from utils.core.hyp import Hyp
 
 
+class Ranks:
+    """How a loss normalises over the ranks that train one step together. A loss divides sums by a count (the
+    assigned scores, the matches); under data parallelism each rank would divide by its own count, so two ranks of
+    8 images would step differently from one process of 16 whenever their counts differ. ``Ranks(world_size)``
+    gives every rank the global count's share instead, one all-reduce of the counts per loss call, so N ranks
+    take the one-process step (DDP averages what the ranks' backward of ``loss * world_size`` gives). The
+    default, one process, leaves a loss's arithmetic exactly as it was. Set by the training step
+    (utils/engine/step.py), never in validation, whose ranks run different numbers of batches."""
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
+
+    @property
+    def alone(self) -> bool:
+        return self.world_size == 1
+
+    def share(self, counts: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+        """This rank's share of ``counts`` summed over every rank (the sum floored at ``floor`` first, as one
+        process floors its own): the divisor that makes N ranks' step one process's."""
+        if self.alone:
+            return counts if floor is None else counts.clamp(min=floor)
+        total = counts.detach().clone()
+        torch.distributed.all_reduce(total)
+        return (total if floor is None else total.clamp(min=floor)) / self.world_size
+
+
+ALONE = Ranks()
+
+
 class Criterion(Protocol):
     """A head's training loss: ``(total * batch size, detached items)`` for raw outputs and targets.
 
     targets rows are [image index in batch, class, xc, yc, w, h] normalised to the input image.
-    ``loss_names`` name the items (results.csv columns, progress bar).
+    ``loss_names`` name the items (results.csv columns, progress bar). ``ranks``: normalise by every rank's
+    counts (the training step under DDP) rather than this rank's alone.
     """
 
     loss_names: tuple[str, ...]
@@ -37,7 +67,8 @@ class Criterion(Protocol):
         """Called at every epoch's start (0-based ``epoch`` of ``epochs``): a loss whose weights follow the schedule
         (YOLO26's ProgLoss) sets them here, as a pure function of the two, so a resumed run repeats them."""
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor,
+                 ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @runtime_checkable

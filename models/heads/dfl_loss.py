@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from models.heads.base import ALONE, Ranks
 from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pack_targets, \
     unpack_targets
 from utils.core.hyp import Hyp
@@ -94,19 +95,22 @@ class DFLLoss:
     def set_progress(self, epoch: int, epochs: int) -> None:
         """The same loss at every epoch."""
 
-    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.packed_loss(preds, pack_targets(targets, preds[0].shape[0], preds[0].device))
+    def __call__(self, preds: list[torch.Tensor], targets: torch.Tensor,
+                 ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed_loss(preds, pack_targets(targets, preds[0].shape[0], preds[0].device), ranks)
 
-    def packed_loss(self, preds: list[torch.Tensor], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_loss(self, preds: list[torch.Tensor], packed: torch.Tensor,
+                    ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of targets packed per image on the outputs' device (``tal.pack_targets``): device work
         only, so a CUDA graph can capture it with the model (utils/engine/graphs.py)."""
         with torch.autocast(preds[0].device.type, enabled=False):
-            return self._loss(preds, packed)
+            return self._loss(preds, packed, ranks)
 
-    def _loss(self, preds: list[torch.Tensor], packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, preds: list[torch.Tensor], packed: torch.Tensor,
+              ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(preds[0].dtype, torch.float32)
         geo = anchor_geometry(preds, self.head.stride, packed, dtype, self.grid)
-        items = branch_items(preds, geo, self.assigner, self.head, self.gains, dtype)
+        items = branch_items(preds, geo, self.assigner, self.head, self.gains, dtype, ranks)
         return (items.sum() * preds[0].shape[0]).reshape(1), items.detach()
 
 
@@ -155,7 +159,7 @@ def anchor_geometry(preds: list[torch.Tensor], stride: torch.Tensor, packed: tor
 
 
 def branch_items(preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner, head: DistributionHead,
-                 gains: DFLLossGains, dtype: torch.dtype) -> torch.Tensor:
+                 gains: DFLLossGains, dtype: torch.dtype, ranks: Ranks = ALONE) -> torch.Tensor:
     """One set of output levels' gain-scaled (box, cls, dfl) losses, shape (3,), with its own assignment.
 
     With ``reg_max`` 1 (no bins: the box channels are the distances, YOLO26) the third term is L1 on the
@@ -169,7 +173,7 @@ def branch_items(preds: list[torch.Tensor], geo: Geometry, assigner: TaskAligned
     pred_boxes = dist2bbox(dists, points)  # xyxy, grid units
     assigned = assigner(cls_logits.detach().sigmoid(), pred_boxes.detach() * strides, points * strides, *geo.gt)
 
-    score_sum = assigned.scores.sum().clamp(min=1)
+    score_sum = ranks.share(assigned.scores.sum(), floor=1)  # the assigned scores' sum: this rank's, or its share
     lcls = F.binary_cross_entropy_with_logits(cls_logits, assigned.scores, reduction="sum") / score_sum
     weight = assigned.scores.sum(-1)  # (B, A): the positive's soft score, 0 off the foreground
     # Off the foreground the target is the prediction itself: finite values and gradients, times weight 0.

@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from models.heads.base import ALONE, Ranks
 from models.heads.dfl_loss import AnchorGrid, DFLLossGains, Geometry, anchor_geometry, branch_items
 from models.heads.tal import TaskAlignedAssigner, pack_targets
 
@@ -109,31 +110,31 @@ class E2ELoss:
             self._on_device = torch.tensor((self.o2m, self.o2o), dtype=torch.float64, device=device)
         return self._on_device
 
-    def __call__(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
-                 targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor], targets: torch.Tensor,
+                 ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
         one2one = preds["one2one"] if isinstance(preds, dict) else preds
-        return self.packed_loss(preds, pack_targets(targets, one2one[0].shape[0], one2one[0].device))
+        return self.packed_loss(preds, pack_targets(targets, one2one[0].shape[0], one2one[0].device), ranks)
 
-    def packed_loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
-                    packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed_loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor], packed: torch.Tensor,
+                    ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of targets packed per image on the outputs' device (``tal.pack_targets``): device work
         only, so a CUDA graph can capture it with the model (utils/engine/graphs.py)."""
         one2one = preds["one2one"] if isinstance(preds, dict) else preds
         with torch.autocast(one2one[0].device.type, enabled=False):
-            return self._loss(preds, packed)
+            return self._loss(preds, packed, ranks)
 
-    def _loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor],
-              packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(self, preds: dict[str, list[torch.Tensor]] | list[torch.Tensor], packed: torch.Tensor,
+              ranks: Ranks = ALONE) -> tuple[torch.Tensor, torch.Tensor]:
         one2many, one2one = (preds["one2many"], preds["one2one"]) if isinstance(preds, dict) else (None, preds)
         dtype = torch.promote_types(one2one[0].dtype, torch.float32)
         o2m, o2o = self.weights(one2one[0].device).to(dtype).unbind()
         geo = self.geometry(one2one, packed, dtype)
-        o2o_items = self.branch(one2one, geo, self.one2one, dtype)
+        o2o_items = self.branch(one2one, geo, self.one2one, dtype, ranks)
         total = o2o_items.sum() * o2o
         if one2many is not None:
             if [p.shape for p in one2many] != [p.shape for p in one2one]:
                 raise ValueError("one2many and one2one outputs must have the same shapes")
-            total = total + self.branch(one2many, geo, self.one2many, dtype).sum() * o2m
+            total = total + self.branch(one2many, geo, self.one2many, dtype, ranks).sum() * o2m
         return (total * one2one[0].shape[0]).reshape(1), o2o_items.detach()
 
     def geometry(self, preds: list[torch.Tensor], packed: torch.Tensor, dtype: torch.dtype) -> Geometry:
@@ -141,7 +142,7 @@ class E2ELoss:
         return anchor_geometry(preds, self.head.stride, packed, dtype, self.grid)
 
     def branch(self, preds: list[torch.Tensor], geo: Geometry, assigner: TaskAlignedAssigner,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, ranks: Ranks = ALONE) -> torch.Tensor:
         """One branch's gain-scaled (box, cls, dfl-or-L1) losses, shape (3,), with its own assignment
         (the anchor-free loss's, dfl_loss.branch_items)."""
-        return branch_items(preds, geo, assigner, self.head, self.gains, dtype)
+        return branch_items(preds, geo, assigner, self.head, self.gains, dtype, ranks)

@@ -7,7 +7,9 @@ backward, once for the run's input shape; every step then copies its images and 
 into a fixed number of slots, models/heads/tal.pack_targets) into the captured inputs and replays two graphs. A
 batch with more labels in one image than the slots hold is captured anew with enough slots (``slots_for``). A loss that
 builds its targets on the host (the anchor-based family's) stays eager, and the graphs hold the model alone.
-The optimizer, the EMA and validation stay eager.
+The optimizer, the EMA and validation stay eager. A loss captured with the model normalises by its own rank's
+counts (an all-reduce cannot run inside a capture); eagerly, and for the anchor-based family's loss, the step
+normalises by every rank's (models/heads/base.Ranks).
 
 Under DDP (torchrun) each rank captures its own graphs: the graphed unit (``Replayable``) is what DDP wraps, so
 DDP's forward broadcasts the BatchNorm buffers and prepares its reducer outside the graphs, and the gradients the
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.heads.base import Criterion, PackedCriterion
+from models.heads.base import ALONE, Criterion, PackedCriterion, Ranks
 from models.heads.tal import pack_targets
 from utils.core.logging import LOGGER
 
@@ -117,8 +119,10 @@ class StepLoss:
     are put back, so the run trains on what it would have eagerly."""
 
     def __init__(self, model: nn.Module, criterion: Criterion, graphs: bool = False,
-                 wrap: Callable[[nn.Module], nn.Module] = lambda m: m, capture: Capture | None = None) -> None:
+                 wrap: Callable[[nn.Module], nn.Module] = lambda m: m, capture: Capture | None = None,
+                 ranks: Ranks = ALONE) -> None:
         self.model, self.criterion, self.graphs = model, criterion, graphs
+        self.ranks = ranks  # the eager loss's normalisers over every rank (a captured loss keeps its rank's)
         self.packed = isinstance(criterion, PackedCriterion)  # the loss goes into the graphs with the model
         self.replayable = Replayable(ModelLoss(model, criterion) if self.packed else model) if graphs else None
         self.net = wrap(self.replayable) if graphs else None  # what the step calls under --cuda-graphs
@@ -127,7 +131,7 @@ class StepLoss:
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs or not self.model.training:
-            return self.criterion(self.model(images), targets)
+            return self.criterion(self.model(images), targets, self.ranks if self.model.training else ALONE)
         graphed = self.replayable
         first = graphed.signature is None
         args: tuple[torch.Tensor, ...] = (images,)
@@ -141,7 +145,7 @@ class StepLoss:
             graphed.replay = self.capture(graphed.unit, args)
             graphed.signature = input_signature(images)
         out = self.net(*args)  # replays at the captured signature, eager at any other
-        return out if self.packed else self.criterion(out, targets)
+        return out if self.packed else self.criterion(out, targets, self.ranks)
 
 
 def capture_graphs(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models.heads.base import Criterion
+from models.heads.base import Criterion, Ranks
 from utils.core import dist, precision
 from utils.core.dist import DistInfo
 from utils.core.logging import LOGGER
@@ -242,7 +242,8 @@ class Step:
         self.module = wrap(model, options, info, device)  # what the forward runs: DDP around it, it, or compiled
         self.ddp = isinstance(self.module, DDP)  # no_sync while a step accumulates (never under --cuda-graphs)
         self.loss = StepLoss(self.module, criterion, graphs=options.graphs, capture=capture,
-                             wrap=lambda unit: dist.smart_DDP(unit, device))  # under --cuda-graphs: DDP's unit
+                             wrap=lambda unit: dist.smart_DDP(unit, device),  # under --cuda-graphs: DDP's unit
+                             ranks=Ranks(info.world_size))  # N ranks normalise the loss as one process
         self.n_items = len(criterion.loss_names)
         self.epoch, self.last_opt_step, self.accumulate = 0, -1, plan.accumulate
         self.mloss = torch.zeros(self.n_items, device=device)
