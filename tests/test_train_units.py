@@ -220,7 +220,8 @@ def test_accumulation_follows_the_chosen_step_size():
     assert (sgd.accumulate, sgd.images_per_step, sgd.images_per_tick) == (4, 64, 16)
     assert sgd.describe() == "accumulate 4 (a step per 64 images)"
     assert StepPlan.of(64, 1, 16, 4, 800).describe() == "4 optimizer steps per batch (a step per 16 images)"
-    assert sgd.record()["images_per_step"] == 64
+    assert {k: sgd.record()[k] for k in ("global_batch", "per_rank_batch", "images_per_step")} == {
+        "global_batch": 16, "per_rank_batch": 16, "images_per_step": 64}
 
 
 def test_a_resume_keeps_the_runs_optimizer_choice():

@@ -107,7 +107,7 @@ class StepPlan:
 
     def record(self) -> dict:
         """The checkpoint's ``step`` entry: the plan, and the images each optimizer step learned from."""
-        return {**asdict(self), "images_per_step": self.images_per_step}
+        return {**asdict(self), "per_rank_batch": self.per_rank_batch, "images_per_step": self.images_per_step}
 
 
 def explain(plan: StepPlan, choice: OptimizerChoice, micro_steps: str, by_device: bool) -> tuple[str, str | None]:
