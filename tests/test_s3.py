@@ -151,6 +151,28 @@ def test_missing_credentials_fail_at_the_start(server, monkeypatch):
         remote.read("s3://empty/train.index/index.json")
 
 
+def test_a_shard_cut_short_in_the_bucket_is_named_at_once(server, tiny_data, tmp_path, monkeypatch, restore_logger):
+    """A byte range past a shard's end is no outage: the member and the bytes it lacks are named at once, as for
+    a shard cut short on a local disk, with the store's patience long and no copy to fall back on."""
+    out = tmp_path / "shards"
+    shards.main(shards.build_parser().parse_args([str(tiny_data), str(out)]))
+    url = _upload(server, out, "data", "tiny")
+    tar = out / "train-000000.tar"
+    server.fs().pipe_file("data/tiny/train-000000.tar", tar.read_bytes()[:tar.stat().st_size // 2])
+    monkeypatch.setenv(remote.PATIENCE_ENV, "120")
+    monkeypatch.setenv(BUDGET_ENV, "0")  # every read a range request to the store
+    index, local = ShardIndex.open(f"{url}/train.index"), ShardIndex.open(out / "train.index")
+    last = len(index) - 1  # its bytes lie past the cut
+    started = time.monotonic()
+    with pytest.raises(UserError) as e:
+        index.read(last)
+    assert time.monotonic() - started < 30  # not the patience
+    size = int(local.arrays["size"][last])
+    assert str(e.value) == f"{url}/train-000000.tar/{Path(local.member(last)).name}: the shard ends {size} bytes " \
+                           "early (truncated)"
+    assert index.read(0) == local.read(0)  # the part before the cut reads as before
+
+
 @pytest.mark.slow  # waits out a store's patience
 def test_a_store_gone_stops_with_the_object_and_the_endpoint(server, tiny_data, tmp_path, monkeypatch, capsys,
                                                              restore_logger):

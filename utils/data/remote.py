@@ -7,11 +7,14 @@ an S3-compatible server from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``.
 
 A read that fails for a transient reason (a dropped connection, a 5xx, a timeout) is retried with
 exponential backoff and logged once per object; a store still failing after ``YOLOTRAIN_STORAGE_PATIENCE``
-seconds (default 300) is a UserError naming the object and the endpoint, on the rank that read it. A
-missing object or bucket and refused credentials are not retried.
+seconds (default 300) is a UserError naming the object and the endpoint, on the rank that read it. What
+retrying cannot change is said at once: a missing object or bucket, refused credentials or access, a request
+the store rejects; and a byte range that starts past an object's end reads no bytes, as a local file's read
+does, so the caller names what is missing (a shard cut short: its member and the bytes it lacks).
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import time
@@ -77,10 +80,18 @@ def _filesystem(url: str) -> tuple[Any, str]:
         raise UserError(f"{url}: {e}") from None
 
 
+class _PastTheEnd(Exception):
+    """A byte range that starts at or past the object's end (HTTP 416): there are no such bytes."""
+
+
 def read(url: str, start: int | None = None, end: int | None = None) -> bytes:
-    """The object's bytes (``start``:``end`` when given), retried with backoff while the store is failing."""
+    """The object's bytes (``start``:``end`` when given; fewer where the object ends first, none where it ends
+    before ``start``), retried with backoff while the store is failing."""
     fs, path = _filesystem(url)
-    return _retrying(url, lambda: fs.cat_file(path, start=start, end=end))
+    try:
+        return _retrying(url, lambda: fs.cat_file(path, start=start, end=end))
+    except _PastTheEnd:
+        return b""
 
 
 def download(url: str, dest: str | os.PathLike) -> None:
@@ -121,6 +132,10 @@ def _retrying(url: str, call: Callable[[], Any]) -> Any:
         except Exception as e:  # connection, timeout, 5xx: each backend raises its own types
             if _is_refusal(e):
                 raise UserError(f"{url}: {endpoint(url)} refused the request ({e}); check the credentials") from None
+            if _past_the_end(e):
+                raise _PastTheEnd() from None
+            if isinstance(e, OSError) and e.errno == errno.EINVAL:  # a 4xx the store gives every time
+                raise UserError(f"{url}: {endpoint(url)} rejected the request ({e})") from None
             if not told:
                 LOGGER.warning(f"WARNING: {url}: {type(e).__name__}: {e}; retrying with backoff for up to "
                                f"{patience:g} s")
@@ -130,6 +145,13 @@ def _retrying(url: str, call: Callable[[], Any]) -> Any:
                                 f"({PATIENCE_ENV}): {type(e).__name__}: {e}") from None
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
+
+
+def _past_the_end(e: Exception) -> bool:
+    """A range request that starts past the object's end: S3's 416 (s3fs: OSError EINVAL, "The requested range
+    is not satisfiable"; botocore: InvalidRange)."""
+    text = f"{type(e).__name__} {e}"
+    return "range is not satisfiable" in text or "InvalidRange" in text
 
 
 def _is_refusal(e: Exception) -> bool:
