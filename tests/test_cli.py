@@ -218,3 +218,29 @@ def test_one_tool_imports_that_tool_alone():
     import yolotrain
 
     assert {"YOLO", "convert_coco", "UserError"} <= set(dir(yolotrain)) and yolotrain.YOLO.__name__ == "YOLO"
+
+
+def test_every_command_a_message_names_exists():
+    """The commands and files the product's messages and docstrings tell users to run are there: ``python -m
+    yolotrain <tool>`` a tool of TOOLS, ``python -m <module>`` an importable module, ``python <script>.py`` a
+    script of the checkout, ``pip install -r <file>`` a requirements file."""
+    import importlib.util
+    import re
+
+    from yolotrain.__main__ import TOOLS
+
+    text = "\n".join(p.read_text() for d in ("utils", "models", "yolotrain") for p in (ROOT / d).rglob("*.py"))
+    tools = set(re.findall(r"python -m yolotrain (\w+)", text))
+    modules = {m for m in re.findall(r"python -m ([\w.]+)", text) if m != "yolotrain"}
+    scripts = set(re.findall(r"python ([\w/]+\.py)", text))
+    files = set(re.findall(r"-r (requirements[\w-]*\.txt)", text))
+    assert tools and scripts and files  # the scan found what it looks for
+    assert tools <= set(TOOLS), tools - set(TOOLS)
+    def runnable(module: str) -> bool:  # python -m runs a module, or a package's __main__
+        spec = importlib.util.find_spec(module)
+        return spec is not None and (spec.submodule_search_locations is None
+                                     or importlib.util.find_spec(f"{module}.__main__") is not None)
+
+    assert [m for m in modules if not runnable(m)] == []
+    assert [s for s in scripts if not (ROOT / s).is_file()] == []
+    assert [f for f in files if not (ROOT / f).is_file()] == []

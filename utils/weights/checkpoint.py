@@ -116,7 +116,7 @@ def load_foreign(path: str | Path, map_location: str | torch.device = "cpu") -> 
     ckpt.update(versions=versions(), date=now_iso())
     LOGGER.info(f"{path}: {fm.title} checkpoint ({'EMA' if fm.weights == 'ema' else 'model'} weights, "
                 f"{len(fm.names)} classes, {len(ckpt['model'])} tensors) converted to a yolotrain checkpoint in "
-                f"memory; python -m utils.weights.convert {path} OUT.pt saves it")
+                f"memory; python -m yolotrain weights {path} OUT.pt saves it")
     return ckpt
 
 

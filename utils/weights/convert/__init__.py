@@ -3,7 +3,7 @@
 ``reader.py``: the allow-listed unpickler (inert records, nothing imported or called).
 ``sniff.py``: which package wrote a file, from its pickle's opcodes (nothing unpickled).
 ``foreign.py``: what the records mean, our model built from the file's yaml, every tensor matched.
-``__main__.py``: ``python -m utils.weights.convert in.pt [out.pt]`` writes the converted checkpoint.
+``python -m yolotrain weights in.pt [out.pt]`` (yolotrain/app/weights.py) writes the converted checkpoint.
 ``utils.weights.checkpoint.load_checkpoint`` converts such files in memory, so train.py, val.py
 and detect.py take them as ``--weights`` directly.
 """
