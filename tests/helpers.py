@@ -226,3 +226,52 @@ def assert_fused_copy_matches(model):
         for p, q in zip(ra[key], rb[key]):
             assert torch.allclose(p, q, atol=1e-4)
     return fused
+
+
+# ---------------------------------------------------------------- every CLI's flags (test_cli.py and each tool's tests)
+def _flag_name(action) -> str:
+    return action.option_strings[0] if action.option_strings else action.dest
+
+
+def _numbers(value: object) -> list:
+    """The int/float values in a default (a number, or a list/tuple for nargs flags); bools are not numbers."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def check_numeric_flags(parser) -> list[str]:
+    """Names of flags that take a number but are not range-checked (want: []), so none skips the check.
+
+    Numeric: ``type`` int or float, or a default that is (or lists) an int or float.
+    """
+    from utils.core.cli import Range
+
+    unchecked = []
+    for action in parser._actions:
+        if action.nargs == 0 or isinstance(action.type, Range):  # switches, -h, or already checked
+            continue
+        if action.type in (int, float) or _numbers(action.default):
+            unchecked.append(_flag_name(action))
+    return unchecked
+
+
+def check_defaults(parser) -> list[str]:
+    """Names of range-checked flags whose default is outside the range (want: []); None means 'unset'."""
+    from utils.core.cli import Range
+
+    bad = []
+    for action in parser._actions:
+        if isinstance(action.type, Range) and action.default is not None:
+            values = action.default if isinstance(action.default, (list, tuple)) else [action.default]
+            if not all(action.type.contains(v) for v in values):
+                bad.append(_flag_name(action))
+    return bad
+
+
+def global_indices(sampler) -> list[int]:
+    """A TrainSampler's epoch order across all ranks, padded (or truncated) to its total size: its permutation
+    repeated from the start, which the ranks' positions index into."""
+    import numpy as np
+    if not sampler.n:
+        return []
+    return sampler.permutation()[np.arange(sampler.total_size) % sampler.n].tolist()

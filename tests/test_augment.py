@@ -13,7 +13,8 @@ import torch
 
 from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp
-from utils.data.augment import box_candidates, mixup, random_perspective, resized_hw, resized_hw_all
+from utils.data.augment import (blend, box_candidates, mixup_ratio, needs_warp, perspective_matrix, resized_hw,
+                                resized_hw_all, warp_boxes, warp_image)
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import img2label_paths
 from utils.data.loader import create_dataloader
@@ -72,6 +73,21 @@ def shapes_train(shapes_dataset) -> Path:
 
 
 # ---------------------------------------------------------------- random_perspective, box_candidates, mixup
+def random_perspective(img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, degrees: float = 10.0,
+                       translate: float = 0.1, scale: float = 0.1, shear: float = 10.0,
+                       perspective: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's warp of one image and its pixel xyxy boxes (plan.py draws the matrix, render.py warps)."""
+    M, s, out_hw = perspective_matrix(img.shape[:2], rng, degrees, translate, scale, shear, perspective, (0, 0))
+    if needs_warp(M, img.shape[:2], out_hw):
+        img = warp_image(img, M, out_hw, bool(perspective))
+    return img, warp_boxes(labels, M, s, out_hw, bool(perspective))
+
+
+def mixup(img1, labels1, img2, labels2, rng) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's mixup of two images: the Beta(32, 32) ratio and the truncated blend, both label sets kept."""
+    return blend(img1, img2, mixup_ratio(rng)), np.concatenate((labels1, labels2), 0)
+
+
 def test_random_perspective_identity():
     rng = np.random.default_rng(0)
     img = rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)

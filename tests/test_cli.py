@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, run, run_env
+from tests.helpers import ROOT, check_defaults, check_numeric_flags, run, run_env
 from utils.core import cli as shared
-from utils.core.cli import ArgumentParser, Range, check_defaults, check_numeric_flags
+from utils.core.cli import ArgumentParser, Range
 
 BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
          "train_speed", "val_speed", "infer_speed", "compare_ultralytics", "photo_dataset")

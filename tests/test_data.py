@@ -16,7 +16,8 @@ from utils.core.errors import UserError
 from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
 from utils.data import labelcache
-from utils.data.augment import augment_hsv, letterbox, random_flip
+from tests.helpers import global_indices
+from utils.data.augment import apply_hsv, flip_draws, flip_labels, hsv_gains, letterbox
 from utils.data.dataset import LoadImagesAndLabels
 from utils.data.labels import img2label_paths, resolve_image_files
 from utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
@@ -131,6 +132,22 @@ def test_labels_land_on_pixels(tmp_path, rect, augment):
             assert cv2.imread(path).shape[:2] == (h0, w0) and gh == pytest.approx(gw, rel=0.03)
 
 
+def random_flip(img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, fliplr: float,
+                flipud: float) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's flip draws and label flip applied to one image (plan.py and render.py do it per sample)."""
+    lr, ud = flip_draws(rng, fliplr, flipud)
+    img = np.ascontiguousarray(img[:, ::-1]) if lr else img
+    img = np.ascontiguousarray(img[::-1]) if ud else img
+    return img, flip_labels(labels, lr, ud)
+
+
+def augment_hsv(img: np.ndarray, rng: np.random.Generator, hgain: float, sgain: float, vgain: float) -> None:
+    """The plan's HSV gains applied in place (render.py's colour stage)."""
+    r = hsv_gains(rng, hgain, sgain, vgain)
+    if r is not None:
+        apply_hsv(img, r)
+
+
 def test_flip_and_hsv_use_only_given_rng():
     labels = np.array([[1, 0.2, 0.3, 0.1, 0.1]], np.float32)
     img = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
@@ -218,7 +235,7 @@ def test_train_sampler():
     for n, ws in ((10, 3), (7, 1), (2, 4), (12, 4)):
         parts = shards(n, ws, epoch=0)
         assert len({len(p) for p in parts}) == 1
-        perm = TrainSampler(n, 0, ws, 0).global_indices()
+        perm = global_indices(TrainSampler(n, 0, ws, 0))
         assert sorted(set(perm)) == list(range(n)) and len(perm) == -(-n // ws) * ws
         assert sorted(i for p in parts for i in p) == sorted(perm)
     assert shards(50, 2, 0) == shards(50, 2, 0)
@@ -245,7 +262,7 @@ def test_train_sampler_skip_resumes_where_global_batches_end():
     for ws in (1, 2, 4):
         padded = TrainSampler(n, 0, ws, seed=3)
         padded.set_epoch(2)
-        order = padded.global_indices()  # the same permutation, padded to a multiple of ws
+        order = global_indices(padded)  # the same permutation, padded to a multiple of ws
         rest = []
         for r in range(ws):
             s = TrainSampler(n, r, ws, seed=3)

@@ -270,7 +270,7 @@ def test_drawn_box_has_the_class_colour_and_a_label():
 
 def test_cli_numbers_are_range_checked():
     from yolotrain.app import detect
-    from utils.core.cli import check_defaults, check_numeric_flags
+    from tests.helpers import check_defaults, check_numeric_flags
 
     parser = detect.build_parser()
     assert check_numeric_flags(parser) == [] and check_defaults(parser) == []

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import global_indices
 from utils.core.hyp import Hyp
 from utils.data.batch import BatchMemory
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
@@ -101,7 +102,7 @@ def test_each_rank_takes_a_block_of_every_global_batch():
         samplers = [TrainSampler(n, r, ws, seed=1, batch_size=per_rank) for r in range(ws)]
         for s in samplers:
             s.set_epoch(2)
-        order = samplers[0].global_indices()
+        order = global_indices(samplers[0])
         g = per_rank * ws
         for r, s in enumerate(samplers):
             keys = [k.index for k in s]

@@ -153,7 +153,7 @@ def test_a_mismatching_export_is_refused_and_not_kept(tiny_v5n, tmp_path, capsys
 
 def test_export_refuses_what_cannot_work(tmp_path, capsys, monkeypatch, restore_logger):
     from yolotrain.app import export
-    from utils.core.cli import check_defaults, check_numeric_flags
+    from tests.helpers import check_defaults, check_numeric_flags
 
     parser = export.build_parser()
     assert check_numeric_flags(parser) == [] and check_defaults(parser) == []

@@ -204,42 +204,6 @@ def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
 
 
-def _name(action: argparse.Action) -> str:
-    return action.option_strings[0] if action.option_strings else action.dest
-
-
-def _numbers(value: object) -> list[Number]:
-    """The int/float values in a default (a number, or a list/tuple for nargs flags); bools are not numbers."""
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
-
-
-def check_numeric_flags(parser: argparse.ArgumentParser) -> list[str]:
-    """Names of flags that take a number but are not range-checked (want: []), so none skips the check.
-
-    Numeric: ``type`` int or float, or a default that is (or lists) an int or float.
-    """
-    unchecked = []
-    for action in parser._actions:
-        if action.nargs == 0 or isinstance(action.type, Range):  # switches, -h, or already checked
-            continue
-        if action.type in (int, float) or _numbers(action.default):
-            unchecked.append(_name(action))
-    return unchecked
-
-
-def check_defaults(parser: argparse.ArgumentParser) -> list[str]:
-    """Names of range-checked flags whose default is outside the range (want: []); None means 'unset'."""
-    bad = []
-    for action in parser._actions:
-        if isinstance(action.type, Range) and action.default is not None:
-            values = action.default if isinstance(action.default, (list, tuple)) else [action.default]
-            if not all(action.type.contains(v) for v in values):
-                bad.append(_name(action))
-    return bad
-
-
-
 class ResolvedArgs(argparse.Namespace):
     """A CLI's arguments once resolved (defaults that depend on the device or a checkpoint filled in):
     read-only, so every later stage sees what was decided. Setting an attribute raises FrozenInstanceError."""

@@ -5,9 +5,10 @@ from ``(seed, epoch, index)``), never from a global RNG: a sample's augmentation
 whatever the worker count, world size, or resume point. Each augmentation draws a fixed number
 of values whether or not it fires, so changing one gain does not reshuffle the others' draws.
 
-Random perspective and mixup work on pixel xyxy labels [cls, x1, y1, x2, y2], as
-``LoadImagesAndLabels`` holds them before normalising; the mosaic itself is assembled in
-utils/data/dataset.py (it needs the dataset to load its other three images).
+These are the pieces: utils/data/plan.py draws a sample's whole augmentation from them (mosaic,
+perspective, mixup, colour, flips) and utils/data/render.py (OpenCV, in the loader) or
+utils/data/device_augment.py (torch, on the training device) draws its pixels. The warp works on pixel xyxy
+labels [cls, x1, y1, x2, y2].
 """
 from __future__ import annotations
 
@@ -115,17 +116,6 @@ def apply_hsv(img: np.ndarray, r: np.ndarray, dst: np.ndarray | None = None, rgb
     return out
 
 
-def augment_hsv(img: np.ndarray, rng: np.random.Generator, hgain: float = 0.5, sgain: float = 0.5,
-                vgain: float = 0.5) -> None:
-    """Scale hue, saturation and value of a BGR uint8 image in place, by lookup tables.
-
-    Each channel is multiplied by a factor drawn from 1 +- gain (hue wraps at 180).
-    """
-    r = hsv_gains(rng, hgain, sgain, vgain)
-    if r is not None:
-        apply_hsv(img, r)
-
-
 def flip_draws(rng: np.random.Generator, fliplr: float = 0.5, flipud: float = 0.0) -> tuple[bool, bool]:
     """Whether to flip left-right (probability ``fliplr``) and up-down (``flipud``): always two draws."""
     u = rng.random(2)
@@ -140,20 +130,6 @@ def flip_labels(labels: np.ndarray, lr: bool, ud: bool) -> np.ndarray:
     if ud:
         labels[:, 2] = 1 - labels[:, 2]
     return labels
-
-
-def random_flip(img: np.ndarray, labels: np.ndarray, rng: np.random.Generator, fliplr: float = 0.5,
-                flipud: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Flip left-right with probability ``fliplr`` and up-down with ``flipud``.
-
-    ``labels`` are (n, 5) [cls, xc, yc, w, h] normalised; returns new image and label arrays.
-    """
-    lr, ud = flip_draws(rng, fliplr, flipud)
-    if lr:
-        img = np.ascontiguousarray(img[:, ::-1])
-    if ud:
-        img = np.ascontiguousarray(img[::-1])
-    return img, flip_labels(labels, lr, ud)
 
 
 def resized_hw(h0: int, w0: int, img_size: int) -> tuple[int, int]:
@@ -255,31 +231,6 @@ def warp_boxes(labels: np.ndarray, M: np.ndarray, s: float, out_hw: tuple[int, i
     return out
 
 
-def random_perspective(
-    img: np.ndarray,
-    labels: np.ndarray,
-    rng: np.random.Generator,
-    degrees: float = 10.0,
-    translate: float = 0.1,
-    scale: float = 0.1,
-    shear: float = 10.0,
-    perspective: float = 0.0,
-    border: tuple[int, int] = (0, 0),
-) -> tuple[np.ndarray, np.ndarray]:
-    """Random perspective, rotation, scale, shear and translation of an image and its boxes.
-
-    ``labels`` are (n, 5) [cls, x1, y1, x2, y2] in pixels. The output is ``img`` grown by
-    ``2 * border`` (h, w): a mosaic passes ``(-s // 2, -s // 2)`` to crop its 2s canvas back to s.
-    Boxes are the hull of their transformed corners, clipped to the image and filtered by
-    ``box_candidates``. Always draws 8 values from ``rng``, so the sample's later draws do not
-    depend on the gains.
-    """
-    M, s, out_hw = perspective_matrix(img.shape[:2], rng, degrees, translate, scale, shear, perspective, border)
-    if needs_warp(M, img.shape[:2], out_hw):
-        img = warp_image(img, M, out_hw, bool(perspective))
-    return img, warp_boxes(labels, M, s, out_hw, bool(perspective))
-
-
 def mixup_ratio(rng: np.random.Generator) -> float:
     """Mixup's blend weight of the first image, Beta(32, 32): about one half, so both images stay visible."""
     return float(rng.beta(32.0, 32.0))
@@ -288,12 +239,3 @@ def mixup_ratio(rng: np.random.Generator) -> float:
 def blend(img1: np.ndarray, img2: np.ndarray, r: float) -> np.ndarray:
     """``img1 * r + img2 * (1 - r)`` as uint8 (truncated), as YOLOv5 blends."""
     return (img1 * r + img2 * (1 - r)).astype(np.uint8)
-
-
-def mixup(img1: np.ndarray, labels1: np.ndarray, img2: np.ndarray, labels2: np.ndarray,
-          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Blend two same-shape images with a Beta(32, 32) ratio (about 0.5) and keep both label sets.
-
-    https://arxiv.org/abs/1710.09412. Labels keep full weight, as in YOLOv5.
-    """
-    return blend(img1, img2, mixup_ratio(rng)), np.concatenate((labels1, labels2), 0)

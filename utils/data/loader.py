@@ -82,12 +82,6 @@ class TrainSampler(Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.n, generator=g).numpy()
 
-    def global_indices(self) -> list[int]:
-        """This epoch's padded (or truncated) order across all ranks: the permutation, repeated from its start."""
-        if not self.n:
-            return []
-        return self.permutation()[np.arange(self.total_size) % self.n].tolist()
-
     def positions(self) -> np.ndarray:
         """This rank's places in the padded order: its block of each global batch (the last one, shorter,
         split evenly: its length is a multiple of the world size)."""
