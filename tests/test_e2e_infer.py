@@ -22,7 +22,7 @@ from utils.core.errors import UserError
 from utils.data.geometry import Placement
 from utils.data.loader import create_dataloader
 from utils.eval.evaluate import EvalOptions, evaluate_model
-from utils.infer.backends import ModelMeta, TorchBackend, family_of, load_backend
+from utils.infer.backends import ModelMeta, TorchBackend, load_backend
 from utils.infer.export import ExportOptions, export_all
 from utils.infer.predict import PredictOptions, Predictor
 
@@ -41,6 +41,8 @@ DETS = torch.tensor([[10.0, 10.0, 40.0, 40.0, 0.9, 1.0],
 class ToyE2E(Head):
     """A head keeping to the end-to-end contract: eval output (DETS for every image, raw) when ``end2end``,
     else the same boxes decoded (xywh + one score per class) for NMS. Takes the place of a built head."""
+
+    family = "end-to-end"
 
     def __init__(self, built: Head, nc: int = len(NAMES)) -> None:
         super().__init__()
@@ -68,7 +70,7 @@ def toy_model(one_thread) -> Model:
 
 
 def _backend(model: Model, source: Path) -> TorchBackend:
-    meta = ModelMeta(names=NAMES, stride=int(model.stride.max()), imgsz=IMGSZ, family=family_of(model),
+    meta = ModelMeta(names=NAMES, stride=int(model.stride.max()), imgsz=IMGSZ, family=model.detect.family,
                      source=str(source))
     return TorchBackend(model.fuse(), meta).eval()  # as from_checkpoint: BatchNorm folded; end2end from the head
 
@@ -185,6 +187,18 @@ def test_model_meta_without_end2end_reads_as_false():
     assert read.end2end is False and read.max_det is None
     new = ModelMeta.from_json(json.dumps({**old, "end2end": True, "max_det": 100}), "new.onnx")
     assert new.end2end and new.max_det == 100
+
+
+def test_model_meta_speaks_the_heads_family_words_and_reads_the_older_ones():
+    """Exports carry Head.family ("anchor-based", "anchor-free", "end-to-end"); files written with the older words
+    ("anchor"; "anchor-free" for an end-to-end head too) read back in the heads' words."""
+    assert {Model(f"{m}.yaml", nc=3).detect.family for m in ("yolov5n", "yolov8n", "yolo26n")} == {
+        "anchor-based", "anchor-free", "end-to-end"}
+    base = json.loads(ModelMeta(names=NAMES, stride=32, imgsz=IMGSZ, family="x", format="onnx").to_json())
+    for written, end2end, read in (("anchor", False, "anchor-based"), ("anchor-free", False, "anchor-free"),
+                                   ("anchor-free", True, "end-to-end"), ("end-to-end", True, "end-to-end")):
+        meta = ModelMeta.from_json(json.dumps({**base, "family": written, "end2end": end2end}), "old.onnx")
+        assert meta.family == read, (written, end2end)
 
 
 def test_parity_pairs_end2end_rows_rather_than_positions():

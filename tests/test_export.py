@@ -67,7 +67,7 @@ def test_both_formats_pass_parity_and_carry_metadata(family, request):
         meta = load_backend(r.path, torch.device("cpu")).meta
         assert meta.names == ("circle", "square", "triangle", "star", "cross", "ring") and meta.format == fmt
         assert (meta.family, meta.dynamic, meta.batch, meta.imgsz) == \
-            (("anchor-free", True, None, 64) if dynamic else ("anchor", False, 2, 64))
+            (("anchor-free", True, None, 64) if dynamic else ("anchor-based", False, 2, 64))
         assert meta.stride == 32 and meta.version and meta.source == str(weights) and meta.data
     assert sorted(p.name for p in weights.parent.iterdir() if p.name.startswith(".")) == []  # no temp files
 

@@ -15,7 +15,7 @@ from utils.core.errors import UserError
 from utils.infer.backends import ModelMeta
 from utils.infer.export import DecodedOnly, ExportOptions, check_half_onnx, export_all, write_torchscript
 
-CFGS = {"anchor": "models/yolov5n.yaml", "anchor-free": "models/yolov8n.yaml"}
+CFGS = {"anchor-based": "models/yolov5n.yaml", "anchor-free": "models/yolov8n.yaml"}
 
 
 def _export(family: str, path: Path, device: str = "cpu", hw: tuple[int, int] = (64, 64)) -> tuple[Model, Path]:

@@ -10,7 +10,9 @@ A head is the model's last layer. It owns its maths:
   sorted by score, with no NMS. ``utils.core.boxes.postprocess`` turns either form into the same
   per-image detections, so validation, plots, detect.py and export read only ``end2end``.
 - ``build_criterion(hyp, imgsz)``: the loss that trains it (target assignment included).
-- ``has_anchors``: whether autoanchor applies.
+- ``has_anchors``: whether the yaml holds anchors (its rows, the anchor count per level); ``family``, the
+  recipe's key (utils/engine/recipe.py), which decides the rest (autoanchor, the hyp file, --optimizer auto),
+  and the word exports carry as their ``family``.
 - ``set_strides(strides)`` and ``initialize_biases()``: called once by ``Model`` after the
   strides are measured.
 """

@@ -50,7 +50,7 @@ class ModelMeta:
     names: tuple[str, ...]
     stride: int  # the largest stride: input sides must be multiples of it
     imgsz: int  # training size (checkpoint) or the exported input side
-    family: str  # "anchor" (YOLOv5 head) or "anchor-free" (DFL head)
+    family: str  # its head's family (Head.family): "anchor-based", "anchor-free" or "end-to-end"
     end2end: bool = False  # outputs final (B, max_det, 6) detections, no NMS; files written without the key: False
     max_det: int | None = None  # an end-to-end model's detections per image (its head's top-k)
     format: str = "pytorch"  # "pytorch", "onnx" or "torchscript"
@@ -87,6 +87,7 @@ class ModelMeta:
             raise UserError(f"{where}: its yolotrain metadata lacks {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}  # keys of a newer version are ignored
+        d["family"] = OLD_FAMILY_WORDS.get((d["family"], bool(d.get("end2end"))), d["family"])
         names = d["names"]
         if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
             raise UserError(f"{where}: its yolotrain metadata has no class names")
@@ -99,8 +100,9 @@ class ModelMeta:
         return f"exactly {self.batch} x 3 x {self.imgsz} x {self.imgsz} (fixed-shape export: square letterbox, no rect)"
 
 
-def family_of(model: Model) -> str:
-    return "anchor" if model.detect.has_anchors else "anchor-free"
+# files exported before the metadata used the heads' word: "anchor" was anchor-based, "anchor-free" covered the
+# end-to-end heads too (their end2end key tells them apart)
+OLD_FAMILY_WORDS = {("anchor", False): "anchor-based", ("anchor-free", True): "end-to-end"}
 
 
 def yolotrain_version() -> str:
@@ -156,7 +158,7 @@ class TorchBackend(Backend):
     @classmethod
     def from_checkpoint(cls, weights: str | Path, device: torch.device) -> TorchBackend:
         model, card = load_model(weights, device)
-        meta = ModelMeta(names=card.names, stride=int(model.stride.max()), imgsz=card.imgsz, family=family_of(model),
+        meta = ModelMeta(names=card.names, stride=int(model.stride.max()), imgsz=card.imgsz, family=model.detect.family,
                          data=card.data, single_cls=card.single_cls, epoch=card.epoch, source=str(weights),
                          val_precision=card.val_precision)
         return cls(model.fuse(), meta)
