@@ -10,7 +10,7 @@ a torchrun script) the outer process group stays, because ``dist.process_group``
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 
 import torch
 
@@ -20,6 +20,14 @@ from utils.core.logging import setup_logging
 from utils.core.watchdog import Watchdog
 
 GROUP_MARGIN_S = 120  # a collective's timeout beyond the hang watchdog's limit and grace
+
+
+def process_group(info: dist.DistInfo, device: torch.device, watch: Watchdog) -> AbstractContextManager:
+    """The job's process group (a no-op on one process), its collectives waiting as long as ``watch`` and its
+    grace allow and then some, so a rank waiting on a stalled one hears of it from its watchdog first. Also
+    what a tune worker joins once for all its trials (yolotrain/app/search), with a watchdog of the trials'
+    limits."""
+    return dist.process_group(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + GROUP_MARGIN_S)
 
 
 class RunPrologue:
@@ -47,8 +55,7 @@ class RunPrologue:
         self.watch = self._stack.enter_context(Watchdog(self.info.rank, hang_timeout_min * 60,
                                                         peers=self.info.distributed))
         with self.watch.phase("init process group"):
-            limit = self.watch.timeout_s + self.watch.grace_s + GROUP_MARGIN_S
-            self._stack.enter_context(dist.process_group(self.info, self.device, min_timeout_s=limit))
+            self._stack.enter_context(process_group(self.info, self.device, self.watch))
         return self.device
 
     def __exit__(self, *exc: object) -> bool:

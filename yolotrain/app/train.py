@@ -39,6 +39,7 @@ from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, tra
 from utils.engine.step import MICRO_BATCH_FLOOR
 from utils.engine.summary import log_end_summary, log_start_summary
 from utils.engine.track import check_packages
+from yolotrain.app.search import Trainer
 from yolotrain.app.search.evolve import evolve
 
 
@@ -215,8 +216,8 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
 def cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     opt = parse_opt(argv)
-    if opt.evolve:  # YOLOv5's habit: trials of this run's flags (utils/engine/tune/evolve.py)
-        return run_entry_point(lambda: evolve(opt, argv, main, build_parser))
+    if opt.evolve:  # YOLOv5's habit: trials of this run's flags (yolotrain/app/search/evolve.py)
+        return run_entry_point(lambda: evolve(opt, argv, Trainer(build_parser, main)))
     return run_entry_point(lambda: hand_back(main(opt), dist.dist_info().is_main))
 
 

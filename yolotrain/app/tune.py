@@ -19,7 +19,7 @@ from utils.core.cli import ArgumentParser, Range
 from utils.core.errors import run_entry_point
 from utils.core.fileio import ROOT
 from yolotrain.app import train
-from yolotrain.app.search import SearchOptions, tune
+from yolotrain.app.search import SearchOptions, Trainer, tune
 from yolotrain.app.search.study import PRUNERS
 
 
@@ -59,7 +59,7 @@ def parse_opt(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[s
 
 def main(opt: argparse.Namespace, train_argv: list[str], callbacks: Callbacks | None = None) -> Path:
     """This worker's share of the study and its results; returns the study's folder (``YOLO.tune`` calls it)."""
-    return tune(SearchOptions(**vars(opt)), train_argv, train.main, train.build_parser, callbacks)
+    return tune(SearchOptions(**vars(opt)), train_argv, Trainer(train.build_parser, train.main), callbacks)
 
 
 def cli(argv: list[str] | None = None) -> int:

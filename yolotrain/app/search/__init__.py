@@ -18,13 +18,13 @@ from utils.core import dist
 from utils.core.callbacks import Callbacks
 from utils.core.errors import UserError
 from utils.core.logging import LOGGER, setup_logging
-from utils.core.prologue import GROUP_MARGIN_S
+from utils.core.prologue import process_group
 from utils.core.watchdog import Watchdog
 from utils.engine.config import resolve_model, size_defaults
 from yolotrain.app.search.report import write_results
 from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import StudySettings
-from yolotrain.app.search.worker import Job, run_worker
+from yolotrain.app.search.worker import Job, Trainer, run_worker
 
 try:
     import optuna
@@ -56,13 +56,11 @@ class SearchOptions:
     sampler: str = "tpe"
 
 
-def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., Any],
-         train_parser: Callable[[], argparse.ArgumentParser], callbacks: Callbacks | None = None,
+def tune(opt: SearchOptions, train_argv: list[str], trainer: Trainer, callbacks: Callbacks | None = None,
          report: Callable[[Any, Path, Path], list[Path]] = write_results) -> Path:
     """Run this worker's share of the study, then write the results (``report(study, folder, base hyp)``);
     returns the study's folder. ``callbacks`` (the Python API's) hear every trial's events. The trials train
-    through ``train_main``/``train_parser``, given by the tool that asked: train.py's --evolve imports this
-    package, so it cannot import train.py's app back."""
+    through ``trainer``, train.py's parser and main, given by the tool that asked (worker.Trainer)."""
     require_optuna()
     info = dist.dist_info()
     setup_logging(info.rank, info.world_size)
@@ -70,7 +68,7 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             raise UserError(f"tune.py: {flag} is set by tune.py for each trial (trials go to "
                             f"--project/<study>/trial_<number>)")
-    train_opt = train_parser().parse_args(train_argv)  # train.py's checks, before the study is touched
+    train_opt = trainer.parse(train_argv)  # train.py's checks, before the study is touched
     folder = Path(opt.project) / opt.study
     folder.mkdir(parents=True, exist_ok=True)
     recipe = resolve_model(train_opt).recipe if not (train_opt.hyp and opt.space) else None  # the family's defaults
@@ -78,8 +76,7 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
     space_file = Path(opt.space) if opt.space else recipe.space
     epochs = size_defaults(vars(train_opt))["epochs"]  # each trial's: --epochs, else train.py's default for the data
     job = Job(settings=_settings(opt, folder, epochs), folder=folder, train_argv=_without_hyp(train_argv),
-              base_hyp=base, space=load_space(space_file), train_main=train_main, train_parser=train_parser,
-              callbacks=callbacks)
+              base_hyp=base, space=load_space(space_file), trainer=trainer, callbacks=callbacks)
     LOGGER.info(f"tune: study '{opt.study}' in {job.settings.storage}, {opt.trials} trials, space {space_file}, "
                 f"base hyp {base}, pruner {opt.pruner}")
     with worker_group(info, train_opt):
@@ -94,13 +91,12 @@ def tune(opt: SearchOptions, train_argv: list[str], train_main: Callable[..., An
 def worker_group(info: dist.DistInfo, train_opt: argparse.Namespace) -> Iterator[None]:
     """A torchrun worker's process group, joined once and left at the end: every trial's train.main trains on it
     (its RunPrologue finds the group there and leaves it). Its collectives wait as long as a trial's would
-    (--hang-timeout)."""
+    (the prologue's rule, with --hang-timeout's watchdog: not started, its limits only)."""
     if not info.distributed:
         yield
         return
     device = dist.select_device(train_opt.device, train_opt.batch_size, info)
-    watch = Watchdog(info.rank, train_opt.hang_timeout * 60, peers=True)  # not started: its limits only
-    with dist.process_group(info, device, min_timeout_s=watch.timeout_s + watch.grace_s + GROUP_MARGIN_S):
+    with process_group(info, device, Watchdog(info.rank, train_opt.hang_timeout * 60, peers=True)):
         yield
 
 

@@ -5,7 +5,6 @@ trial) and hyp_evolve.yaml (the best trial's hyp, its generation and metrics in 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import yaml
 
 from utils.core.fileio import ROOT, atomic_write
 from utils.core.hyp import load_hyp
-from yolotrain.app.search import SearchOptions, tune
+from yolotrain.app.search import SearchOptions, Trainer, tune
 from yolotrain.app.search.report import write_results
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
@@ -25,15 +24,14 @@ EVOLVE_PROJECT = ROOT / "runs" / "evolve"
 RUN_FLAGS = ("--project", "--name", "--exist-ok", "--evolve")  # the study's folder, set here
 
 
-def evolve(train_opt: argparse.Namespace, train_argv: list[str], train_main: Callable[..., Any],
-           train_parser: Callable[[], argparse.ArgumentParser]) -> Path:
+def evolve(train_opt: argparse.Namespace, train_argv: list[str], trainer: Trainer) -> Path:
     """Train ``--evolve`` trials in the local study ``<project>/<name>/study.db`` (a re-run continues it); the
     project is runs/evolve unless --project names another."""
-    given = train_opt.project != train_parser().get_default("project")
+    given = train_opt.project != trainer.build_parser().get_default("project")
     project = train_opt.project if given else str(EVOLVE_PROJECT)
     opt = SearchOptions(trials=train_opt.evolve, study=train_opt.name, storage=None, space=None, pruner="none",
                         pruner_startup=0, pruner_warmup=0, heartbeat=60, retries=3, project=project, sampler="genetic")
-    return tune(opt, without_run_flags(train_argv), train_main, train_parser, report=write_evolve)
+    return tune(opt, without_run_flags(train_argv), trainer, report=write_evolve)
 
 
 def write_evolve(study: Any, folder: Path, base: Path) -> list[Path]:

@@ -1,7 +1,7 @@
 """One tuning worker: it trains trials of the study until the study holds its total of finished ones.
 
-Each trial is an ordinary training run of the engine (train.py's ``main``, handed in by tune.py since the
-engine sits below the CLIs): its hyp file is the base hyp with the trial's values written over it, kept in
+Each trial is an ordinary training run (train.py's ``main``, handed in as a ``Trainer`` by the tool that runs the
+search: this package sits below app/train.py, whose --evolve imports it): its hyp file is the base hyp with the trial's values written over it, kept in
 the trial's own run folder (``<project>/<study>/trial_<number>``), and the run reports its fitness each epoch
 to the study so the pruner can stop it. Any number of workers, on any number of machines, share one study:
 its storage hands out the trials and its heartbeat retries the trial of a worker that died; a retry continues
@@ -48,6 +48,23 @@ class Surplus(Exception):
 
 
 @dataclass(frozen=True)
+class Trainer:
+    """How a trial trains: train.py's parser and its main, in one typed entry point. The tool that runs the
+    search hands it in (yolotrain/app/tune.py, or app/train.py's --evolve): this package sits below app/train,
+    which imports it for --evolve, so it cannot import app/train itself."""
+
+    build_parser: Callable[[], argparse.ArgumentParser]
+    main: Callable[[argparse.Namespace, Callbacks | None], Any]
+
+    def parse(self, argv: list[str]) -> argparse.Namespace:
+        """train.py's flags, with its checks."""
+        return self.build_parser().parse_args(argv)
+
+    def train(self, argv: list[str], callbacks: Callbacks | None) -> Any:
+        return self.main(self.parse(argv), callbacks)
+
+
+@dataclass(frozen=True)
 class Job:
     """What every trial of this worker trains with."""
 
@@ -56,8 +73,7 @@ class Job:
     train_argv: list[str]  # train.py's flags, passed through
     base_hyp: Path  # the hyp the space's values are written over
     space: dict[str, Bounds]
-    train_main: Callable[[argparse.Namespace, Callbacks], Any]  # train.main
-    train_parser: Callable[[], argparse.ArgumentParser]  # train.build_parser
+    trainer: Trainer
     callbacks: Callbacks | None = None  # the Python API's, for every trial after the study's own
 
 
@@ -116,7 +132,7 @@ def follow(job: Job) -> None:
             return
         if order.argv is not None:
             with preempted_together():
-                job.train_main(job.train_parser().parse_args(list(order.argv)), job.callbacks)
+                job.trainer.train(list(order.argv), job.callbacks)
 
 
 @contextmanager
@@ -160,12 +176,12 @@ def objective(job: Job, study: Any, trial: Any) -> float:
 def train_trial(job: Job, study: Any, trial: Any, best: Reporter, argv: list[str]) -> Any:
     """Every rank trains the trial's run (the others hear ``argv`` from this one, rank 0); a preempted trial's
     parameters are enqueued again for the next worker, and it ends FAILED."""
-    opt = job.train_parser().parse_args(argv)
+    opt = job.trainer.parse(argv)
     callbacks = Callbacks()
     callbacks.add("on_fit_epoch_end", best)
     dist.broadcast_object(Order(argv=tuple(argv)))
     try:
-        return job.train_main(opt, callbacks.merged(job.callbacks))
+        return job.trainer.main(opt, callbacks.merged(job.callbacks))
     except Preempted:  # SIGTERM / SIGUSR1: its parameters wait for the next worker
         study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number})
         raise
