@@ -16,10 +16,8 @@ from utils.data.shapes import GENERATORS  # explicit registry, never eval
 from models.heads.anchor import check_anchors_spec
 from utils.core.errors import UserError, did_you_mean
 from utils.core.fileio import load_yaml
-from utils.data.images import IMG_SUFFIXES
-from utils.data.labels import resolve_image_files
 from utils.data import remote
-from utils.data.shards import index_meta, is_shard_index
+from utils.data.split import SplitSource, open_split
 
 
 @dataclass
@@ -39,6 +37,7 @@ class DataConfig:
     has_download: bool = False  # YOLOv5's 'download' (URL or code): only named in errors, never fetched or run
     category_ids: list[int] | None = None  # a converted dataset's source category id per class (yolotrain.convert)
     image_ids: Path | None = None  # its json {image path relative to root: source image id}
+    sources: dict[str, SplitSource] = field(default_factory=dict)  # each split's kind, decided here (open_split)
 
     @property
     def nc(self) -> int:
@@ -141,6 +140,7 @@ def load_data_config(path: str | Path) -> DataConfig:
     )
     if not cfg.train or not cfg.val:
         raise UserError(f"{file}: 'train' and 'val' must name at least one path each")
+    cfg.sources.update({k: open_split(getattr(cfg, k)) for k in ("train", "val", "test") if getattr(cfg, k)})
     return cfg
 
 
@@ -158,31 +158,27 @@ def prepare_dataset(cfg: DataConfig) -> None:
                 raise UserError(f"{cfg.file}: unknown generate_args key '{key}' for generator "
                                 f"'{cfg.generate}'.{did_you_mean(key, accepted)} Accepted: {', '.join(accepted)}")
         generator(cfg.root, **cfg.generate_args)
-    for key in ("train", "val", "test"):
-        for p in getattr(cfg, key):
-            if remote.is_url(p):  # object storage holds shard indexes; its json names a missing bucket or key
-                if not is_shard_index(p):
-                    raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
-                                    "(<split>.index, made by python -m yolotrain shards)")
-                index_meta(p)  # the arrays are read once, by the dataset
-                continue
-            if not Path(p).exists():
-                raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
-            if not _has_images(Path(p)):
-                raise UserError(f"{cfg.file}: '{key}' has no images: {p}")
+    for key, source in cfg.sources.items():
+        missing = source.check()
+        if missing is None:
+            continue
+        p = missing.path
+        if missing.reason == "url":  # object storage holds shard indexes only
+            raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
+                            "(<split>.index, made by python -m yolotrain shards)")
+        if missing.reason == "missing":
+            raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
+        raise UserError(f"{cfg.file}: '{key}' has no images: {p}")
 
 
 def count_images(cfg: DataConfig, split: str = "train") -> int:
     """How many images a split lists, without reading a label or an image (or generating a built-in set): what a
     refusal that depends on the schedule's length needs before the run starts. A shard index says it in its
     json; a built-in set not made yet, in its generate_args (or its generator's default)."""
-    paths = getattr(cfg, split)
-    if is_shard_index(paths):
-        return int(index_meta(paths[0])["counts"]["images"])
-    if cfg.generate in GENERATORS and not all(Path(p).exists() for p in paths):
+    if cfg.generate in GENERATORS and not all(Path(p).exists() for p in getattr(cfg, split)):
         default = inspect.signature(GENERATORS[cfg.generate]).parameters.get(f"n_{split}")
         return int(cfg.generate_args.get(f"n_{split}", default.default if default else 0))
-    return len(resolve_image_files(paths))
+    return cfg.sources[split].count()
 
 
 def _root_candidates(cfg: DataConfig) -> list[tuple[Path, str]]:
@@ -217,15 +213,3 @@ def _missing_split_hint(cfg: DataConfig, split: Path) -> str:
         target = cfg.root if rel is not None and not cfg.root.exists() else split
         return f"; the yaml has a download key: yolotrain never downloads or runs it; put the dataset at {target}"
     return f"; {where}, which does not exist" if rel is not None and not cfg.root.exists() else ""
-
-
-def _has_images(path: Path) -> bool:
-    """Cheap emptiness check (stops at the first image): a folder with an image, or a non-empty list; a shard
-    index is read when opened."""
-    if is_shard_index(path):
-        return True
-    if path.is_dir():
-        return any(f.suffix.lower() in IMG_SUFFIXES for f in path.rglob("*"))
-    if path.suffix.lower() == ".txt":
-        return any(line.strip() for line in path.read_text(errors="replace").splitlines())
-    return path.suffix.lower() in IMG_SUFFIXES

@@ -1,7 +1,9 @@
 """The training/validation Dataset: loads an image, letterboxes it and applies augmentation.
 
-Finding and verifying files live in utils/data/labels.py, the scan cache in labelcache.py, the
-messages about problems in problems.py. Every random draw for a sample comes from
+The split comes from a ``SplitSource`` (utils/data/split.py: image files, a shard index, or a source of your own),
+which scans it and reads its images; the dataset composes it with the label table, the sample plans
+(utils/data/plan.py) and the renderers (render.py on the CPU, device_augment.py on the training device). The
+messages about problems live in problems.py. Every random draw for a sample comes from
 ``np.random.default_rng([seed, epoch, index])``, so a batch's content does not depend on worker
 count, world size or resume. Sizes are (h, w) (utils/data/geometry.py).
 """
@@ -21,14 +23,12 @@ from utils.data.augment import resize_long_side, resized_hw_all
 from utils.data.batch import Batch, BatchMemory, batch_targets
 from utils.data.device_augment import pack
 from utils.data.geometry import Placement
-from utils.data.images import decode_image_bgr, read_image_bgr
-from utils.data.labelcache import load_or_scan
-from utils.data.labels import (LabelTable, describe_source, format_summary, img2label_paths, require_usable,
-                               resolve_image_files)
+from utils.data.labels import LabelTable, format_summary, require_usable
 from utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from utils.data.problems import check_label_presence, report_messages, write_problem_report
 from utils.data.render import Scratch, TileSource, render
-from utils.data.shards import ShardIndex, SourceColumn, is_shard_index
+from utils.data.shards import SourceColumn
+from utils.data.split import open_split
 
 
 class SampleKey(NamedTuple):
@@ -56,34 +56,32 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     ``np.random.default_rng([seed, epoch, index])`` only, so a sample is the same whichever
     worker, rank or resumed run produces it.
 
+    ``source``: a split's path (a folder, a .txt list, a shard index, or a list of those) or a ``SplitSource``.
     ``role`` says what the split is for: "train" refuses a split without any box, "val" warns
     about one, None (direct use) checks nothing. With ``verbose`` (rank 0) and a ``report_dir``,
-    every scan problem is written to ``report_dir/dataset_problems_<split>.txt``.
+    every scan problem is written to ``report_dir/dataset_problems_<split>.txt``. ``memory``: where batches are
+    written (utils/data/batch.py); ``render_on_device``: batches carry tiles and plans for the training device.
     """
 
-    def __init__(self, path: Any, img_size: int = 640, batch_size: int = 16, augment: bool = False,
+    def __init__(self, source: Any, img_size: int = 640, batch_size: int = 16, augment: bool = False,
                  hyp: Hyp | None = None, rect: bool = False, stride: int = 32, pad: float = 0.0,
                  single_cls: bool = False, *, nc: int, seed: int = 0, cache_dir: Path | None = None,
-                 prefix: str = "", verbose: bool = True, role: str | None = None,
-                 report_dir: Path | None = None) -> None:
-        self.path, self.img_size, self.augment = path, img_size, augment
+                 prefix: str = "", verbose: bool = True, role: str | None = None, report_dir: Path | None = None,
+                 memory: BatchMemory | None = None, render_on_device: bool = False) -> None:
+        self.source = open_split(source)
+        self.img_size, self.augment = img_size, augment
         self.hyp = hyp if hyp is not None else Hyp()
         self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
-        self.shards: ShardIndex | None = None  # a shard index replaces the scan (utils/data/shards.py)
-        with watchdog.phase("scan", f"{prefix}{describe_source(path)}"):  # the scan beats per file
-            if is_shard_index(path):
-                self.shards = ShardIndex.open(path, nc, cache_dir)  # a remote one's arrays are fetched here
-                result, self.cache_hit = self.shards.scan_result(), True
-            else:
-                img_files = resolve_image_files(path)
-                result, self.cache_hit = load_or_scan(path, img_files, img2label_paths(img_files), nc, cache_dir)
-        c, where, split = result.counts, describe_source(path), prefix.strip(" :") or "split"
+        where = self.source.where
+        with watchdog.phase("scan", f"{prefix}{where}"):  # the scan beats per file
+            scan = self.source.scan(nc, cache_dir)
+        result, self.cache_hit = scan.result, bool(scan.known)
+        c, split = result.counts, prefix.strip(" :") or "split"
         if verbose:
             report = write_problem_report(result.msgs, report_dir, split, where) if report_dir else None
             report_messages(result.msgs, prefix, report)
-            known = " (from the shard index)" if self.shards is not None else " (from cache)" if self.cache_hit else ""
             LOGGER.info(f"{prefix}Scanning {where}... {c['images']} images, {c['backgrounds']} backgrounds, "
-                        f"{c['corrupt']} corrupt{known}")
+                        f"{c['corrupt']} corrupt{scan.known}")
             LOGGER.info(format_summary(c, split))
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
@@ -98,9 +96,9 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
-        self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (set by create_dataloader)
-        self.memory = BatchMemory()  # where batches are written (create_dataloader sets its reuse)
-        self.render_on_device = False  # the training device draws the pixels (--augment-on device)
+        self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (attach_image_cache)
+        self.memory = memory or BatchMemory()  # where batches are written
+        self.render_on_device = render_on_device and augment  # the training device draws the pixels
         self._scratch, self._loaded_hw = Scratch(), None
         if rect:
             self._set_rect_shapes(batch_size)
@@ -135,11 +133,12 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         return resize_long_side(img, self.img_size, self.augment), img.shape[:2]
 
     def read_original(self, i: int) -> np.ndarray:
-        """Image ``i`` decoded, as the scan decoded it (EXIF, alpha, 16-bit, CMYK, truncation): from its file, or
-        from its byte range in its shard."""
-        if self.shards is not None:
-            return decode_image_bgr(self.shards.read(self.rows[i]), self.shards.member(self.rows[i]))
-        return read_image_bgr(self.im_files[i])
+        """Image ``i`` decoded, as the scan decoded it (EXIF, alpha, 16-bit, CMYK, truncation), by its source."""
+        return self.source.read(int(self.rows[i]))
+
+    def attach_image_cache(self, cache) -> None:
+        """--cache ram|disk: the decoded images, built over this dataset's final order (after rect's sort)."""
+        self.imgcache = cache
 
     def plan_inputs(self) -> PlanInputs:
         """What planning reads of this dataset (its arrays, not copies)."""

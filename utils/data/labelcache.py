@@ -18,7 +18,7 @@ import numpy as np
 from utils.core import watchdog
 from utils.core.fileio import atomic_write
 from utils.core.logging import LOGGER
-from utils.data.labels import ScanResult, img2label_paths, scan_labels
+from utils.data.labels import LabelTable, ScanResult, img2label_paths, scan_labels
 
 # 2: per-row label checks, full decode, new count keys; 3: every message kept (no per-file cap);
 # 4: image sizes stored as image_hw, (h, w); 5: labels in float64
@@ -62,13 +62,11 @@ def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -
 
 def save_cache(file: Path, result: ScanResult, hash_: str) -> None:
     """Write arrays + JSON metadata atomically (utils.core.fileio)."""
-    lens = [len(x) for x in result.labels]
-    labels = np.concatenate(result.labels).astype(np.float64) if sum(lens) else np.zeros((0, 5))
-    meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": result.img_files,
-            "label_files": result.label_files, "msgs": result.msgs, "counts": result.counts}
+    rows, starts = LabelTable.of(result.labels).pack()  # the one packed layout (labels.LabelTable)
+    meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": list(result.img_files),
+            "label_files": list(result.label_files), "msgs": result.msgs, "counts": result.counts}
     with atomic_write(file) as f:
-        np.savez(f, labels=labels, offsets=np.cumsum([0] + lens, dtype=np.int64),
-                 image_hw=result.image_hw.astype(np.int32),
+        np.savez(f, labels=rows, offsets=starts, image_hw=result.image_hw.astype(np.int32),
                  meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
 
 
@@ -82,10 +80,10 @@ def load_cache(file: Path, hash_: str) -> ScanResult | None:
             if meta.get("version") != CACHE_VERSION or meta.get("hash") != hash_:
                 return None
             labels, offsets, image_hw = z["labels"], z["offsets"], z["image_hw"]
-        parts = [labels[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-        if len(parts) != len(meta["img_files"]) or len(image_hw) != len(parts):
+        table = LabelTable.packed(labels, offsets)
+        if len(table) != len(meta["img_files"]) or len(image_hw) != len(table):
             raise ValueError("array lengths disagree")
-        return ScanResult(meta["img_files"], meta["label_files"], parts, image_hw, meta["msgs"], meta["counts"])
+        return ScanResult(meta["img_files"], meta["label_files"], table, image_hw, meta["msgs"], meta["counts"])
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         LOGGER.warning(f"WARNING: {file}: unreadable cache ({type(e).__name__}: {e}), rescanning")
         return None

@@ -78,7 +78,11 @@ class LabelTable(Sequence):
     """Every image's label rows (cls, xc, yc, w, h) in one (N, 5) float64 array, image ``i``'s rows being
     ``rows[begin[i]:end[i]]``: a sequence of per-image views. One array instead of one per image lets a
     shard index's labels stay memory-mapped (one copy per node, nothing per sample to build) and a reorder
-    (rectangular batches) move two index arrays instead of the rows."""
+    (rectangular batches) move two index arrays instead of the rows.
+
+    The one packed layout on disk, for the label cache and the shard index alike: ``rows`` and ``starts``
+    (n + 1 offsets, image ``i``'s rows being ``rows[starts[i]:starts[i + 1]]``): ``pack`` writes it, ``packed``
+    reads it back."""
 
     def __init__(self, rows: np.ndarray, begin: np.ndarray, end: np.ndarray) -> None:
         if len(begin) != len(end):
@@ -95,6 +99,16 @@ class LabelTable(Sequence):
         rows = np.concatenate([np.asarray(x, np.float64).reshape(-1, 5) for x in labels]) if len(labels) else (
             np.zeros((0, 5)))
         return cls(rows, end - counts, end)
+
+    @classmethod
+    def packed(cls, rows: np.ndarray, starts: np.ndarray) -> LabelTable:
+        """A table over the packed layout (the arrays as they are: a memory map stays one)."""
+        return cls(rows, starts[:-1], starts[1:])
+
+    def pack(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows in image order (N, 5) float64, starts (n + 1) int64): the layout ``packed`` reads."""
+        counts = self.counts()
+        return np.asarray(self.stacked(), np.float64), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.begin)
@@ -134,7 +148,7 @@ class ScanResult:
 
     img_files: Sequence[str]
     label_files: Sequence[str]
-    labels: Sequence[np.ndarray]  # a list from a scan, a LabelTable from a shard index
+    labels: LabelTable
     image_hw: np.ndarray
     msgs: list[str]
     counts: dict[str, int]
@@ -280,7 +294,7 @@ def scan_labels(img_files: Sequence[str], label_files: Sequence[str], nc: int,
     counts.update(images=len(keep_img), backgrounds=sum(len(x) == 0 for x in labels),
                   instances=int(sum(len(x) for x in labels)))
     image_hw = np.array(sizes, dtype=np.int32).reshape(-1, 2)
-    return ScanResult(keep_img, keep_lb, labels, image_hw, msgs, counts)
+    return ScanResult(keep_img, keep_lb, LabelTable.of(labels), image_hw, msgs, counts)
 
 
 SUMMARY_COLUMNS = (("images", "images"), ("backgrounds", "backgrounds"), ("instances", "boxes"),

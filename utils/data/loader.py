@@ -6,10 +6,10 @@ no padding, so every image is scored exactly once and rectangular batches match 
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,8 +25,7 @@ from utils.core.hyp import Hyp
 from utils.core.logging import LOGGER
 from utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
 from utils.data.dataset import LoadImagesAndLabels, SampleKey
-from utils.data.imgcache import CacheSource, build_or_open, loader_shm_bytes
-from utils.data.shards import node_folder
+from utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
 PREFETCH = 2  # batches each worker prepares ahead (the DataLoader's prefetch_factor)
@@ -191,41 +190,51 @@ def _dataset_once(info: DistInfo, cache_dir: Path | None,
     return dataset
 
 
-def _cache_source(dataset: LoadImagesAndLabels, cache_dir: Path | None) -> CacheSource | None:
-    """What --cache reads for a shard index (its images by byte range, known by the index's id and the split's
-    order); None for image files."""
-    if dataset.shards is None:
-        return None
-    index = dataset.shards
-    key = hashlib.sha256(f"{index.meta.get('id') or index.root}\n".encode() + dataset.rows.tobytes()).hexdigest()
-    folder = node_folder(cache_dir) / "yolotrain-images"
-    return CacheSource(read=dataset.read_original, key=key, folder=folder, split=Path(index.root).stem)
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything a loader is built from, in one typed value (``build_loader``). ``source``: a split's path or a
+    ``SplitSource`` (utils/data/split.py); ``batch_size`` is per rank (the global batch over ``info.world_size``).
+
+    ``training`` marks a training loader (TrainSampler, equal batch count on every rank, a split without any label
+    is an error); otherwise evaluation (InferenceSampler; no labels is a warning). ``report_dir``: the run folder,
+    where rank 0 writes the full list of the split's problems. ``pin_memory``: page-locked batches for CUDA; by
+    default only once this process uses CUDA (``pins_by_default``). ``reuse_memory``: the consumer lets go of each
+    batch, and of its copy to the device, before it asks for the next but one (the training loop and evaluation
+    do), so the loader writes batches into a ring of reused buffers, which pinning locks in place
+    (utils/data/pinning.py); without it pinned batches are copies, so they reuse the ring anyway.
+    ``render_on_device``: batches carry tiles and plans for utils/data/device_augment.py instead of pixels.
+    ``split_batches`` (evaluation; by default where batches are pinned, a CUDA process, whose inference is cheap
+    beside the letterboxing): each batch arrives in parts of ``worker_share`` images, so every worker loads at
+    once."""
+
+    source: Any
+    img_size: int
+    batch_size: int
+    stride: int
+    nc: int = 80
+    training: bool = False
+    augment: bool = False
+    hyp: Hyp | None = None
+    rect: bool = False
+    pad: float = 0.0
+    single_cls: bool = False
+    seed: int = 0
+    info: DistInfo = DistInfo()
+    workers: int = 8
+    cache: str | None = None
+    cache_dir: Path | None = None
+    prefix: str = ""
+    report_dir: Path | None = None
+    pin_memory: bool | None = None
+    reuse_memory: bool = False
+    render_on_device: bool = False
+    split_batches: bool | None = None
 
 
-def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, info: DistInfo = DistInfo(),
-                      single_cls: bool = False, hyp: Hyp | None = None, augment: bool = False,
-                      cache: str | None = None, pad: float = 0.0, rect: bool = False, workers: int = 8,
-                      shuffle: bool = False, seed: int = 0, nc: int = 80, cache_dir: Path | None = None,
-                      prefix: str = "", report_dir: Path | None = None, pin_memory: bool | None = None,
-                      reuse_memory: bool = False, render_on_device: bool = False,
-                      split_batches: bool | None = None) -> DataLoader:
-    """DataLoader for this process's place in the job (``info``); ``batch_size`` is per rank (the global
-    batch over ``info.world_size``).
-
-    The dataset is ``loader.dataset``. ``shuffle=True`` marks a training loader (TrainSampler, equal
-    batch count on every rank, and a split without any label is an error); otherwise evaluation
-    (InferenceSampler; no labels is a warning). Local rank 0 scans and caches first. ``report_dir``:
-    the run folder, where rank 0 writes the full list of the split's problems. ``pin_memory``: page-locked
-    batches for CUDA; by default only once this process uses CUDA (``pins_by_default``).
-    ``reuse_memory``: the consumer lets go of each batch, and of its copy to the device, before it asks for the
-    next but one (the training loop and evaluation do), so the loader writes batches into a ring of reused
-    buffers, which pinning locks in place (utils/data/pinning.py); without it pinned batches are copies, so
-    they reuse the ring anyway. ``render_on_device``: batches carry tiles and plans for
-    utils/data/device_augment.py instead of pixels. ``split_batches`` (evaluation; by default where batches
-    are pinned, a CUDA process, whose inference is cheap beside the letterboxing): each batch arrives in
-    parts of ``worker_share`` images, so every worker loads at once.
-    """
-    training = shuffle
+def build_loader(spec: LoaderSpec) -> DataLoader:
+    """The DataLoader for this process's place in the job (``spec.info``): the dataset (its source scanned once
+    per job, ``_dataset_once``), its image cache, the sampler, the workers."""
+    info, rect, shuffle = spec.info, spec.rect, spec.training
     if rect and shuffle:
         LOGGER.warning("WARNING: --rect is incompatible with shuffling, setting shuffle=False")
         shuffle = False
@@ -233,31 +242,38 @@ def create_dataloader(path: Any, imgsz: int, batch_size: int, stride: int, *, in
     # (with drop_last no padded index from another batch lands in a rank's last batch), and an evaluation
     # shard's per-rank batches are aligned to it, so each image is letterboxed to the same shape whatever
     # the world size.
-    dataset_bs = batch_size * info.world_size if rect else batch_size
-    dataset = _dataset_once(info, cache_dir, lambda: LoadImagesAndLabels(
-        path, imgsz, dataset_bs, augment=augment, hyp=hyp, rect=rect, stride=stride, pad=pad, single_cls=single_cls,
-        nc=nc, seed=seed, cache_dir=cache_dir, prefix=prefix, verbose=info.rank == 0,
-        role="train" if training else "val", report_dir=report_dir))
-    batch_size = min(batch_size, len(dataset))
     ranks_here = info.local_world_size if info.world_size > 1 else 1  # share this node's cores, not the job's
-    nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, workers)
-    pin = pins_by_default() if pin_memory is None else pin_memory
-    if cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
-        dataset.imgcache = build_or_open(dataset.im_files, imgsz, augment, cache, local_rank=info.local_rank,
-                                         image_hw=dataset.image_hw, path=path, prefix=prefix,
-                                         workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, imgsz, SLOTS),
-                                         source=_cache_source(dataset, cache_dir))
-    dataset.memory = BatchMemory(reuse=reuse_memory or pin, slots=SLOTS, pin_in_place=reuse_memory)
-    dataset.render_on_device = bool(render_on_device and augment)
-    if training:
-        sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, seed, shuffle=shuffle,
+    pin = pins_by_default() if spec.pin_memory is None else spec.pin_memory
+    memory = BatchMemory(reuse=spec.reuse_memory or pin, slots=SLOTS, pin_in_place=spec.reuse_memory)
+    dataset = _dataset_once(info, spec.cache_dir, lambda: LoadImagesAndLabels(
+        spec.source, spec.img_size, spec.batch_size * info.world_size if rect else spec.batch_size,
+        augment=spec.augment, hyp=spec.hyp, rect=rect, stride=spec.stride, pad=spec.pad, single_cls=spec.single_cls,
+        nc=spec.nc, seed=spec.seed, cache_dir=spec.cache_dir, prefix=spec.prefix, verbose=info.rank == 0,
+        role="train" if spec.training else "val", report_dir=spec.report_dir, memory=memory,
+        render_on_device=spec.render_on_device))
+    batch_size = min(spec.batch_size, len(dataset))
+    nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, spec.workers)
+    if spec.cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
+        dataset.attach_image_cache(build_or_open(
+            dataset.im_files, spec.img_size, spec.augment, spec.cache, local_rank=info.local_rank,
+            image_hw=dataset.image_hw, path=getattr(dataset.source, "path", None), prefix=spec.prefix,
+            workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, spec.img_size, SLOTS),
+            source=dataset.source.cache_source(dataset.rows, spec.cache_dir, dataset.read_original)))
+    if spec.training:
+        sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, spec.seed, shuffle=shuffle,
                                         drop_last=rect and info.world_size > 1, batch_size=batch_size)
     else:
         sampler = InferenceSampler(len(dataset), batch_size, info.rank, info.world_size)
-        if split_batches if split_batches is not None else pin:
+        if spec.split_batches if spec.split_batches is not None else pin:
             batch_size = worker_share(batch_size, nw)
     if nw > 0:
         cv2.setNumThreads(0)  # OpenCV's thread pool does not survive fork into workers; they are the parallelism
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=nw, pin_memory=pin,
                       collate_fn=collate_fn, persistent_workers=nw > 0, worker_init_fn=_worker_init if nw > 0 else None,
                       prefetch_factor=PREFETCH if nw > 0 else None)
+
+
+def create_dataloader(source: Any, imgsz: int, batch_size: int, stride: int, *, shuffle: bool = False,
+                      **options: Any) -> DataLoader:
+    """``build_loader`` in keyword form: ``LoaderSpec``'s fields, ``shuffle`` for ``training``."""
+    return build_loader(LoaderSpec(source, imgsz, batch_size, stride, training=shuffle, **options))

@@ -119,10 +119,10 @@ def write_split(result: ScanResult, out: Path, split: str, nc: int, shard_bytes:
             size[i] = len(data)
     finally:
         writer.close()
-    table = LabelTable.of(result.labels)
+    rows, starts = LabelTable.of(result.labels).pack()  # the one packed layout (labels.LabelTable)
     arrays = {"shard": shard, "offset": offset, "size": size, "suffix": suffix,
               "image_hw": np.asarray(result.image_hw, np.int32).reshape(-1, 2),
-              "label_start": np.concatenate([[0], table.end]).astype(np.int64), "labels": table.rows,
+              "label_start": starts, "labels": rows,
               "sources": np.array([s.encode() for s in result.img_files], dtype=bytes)}
     meta = {"nc": nc, "shards": writer.names, "shard_bytes": writer.sizes, "suffixes": suffixes,
             "counts": result.counts, "msgs": result.msgs}
@@ -248,10 +248,9 @@ class ShardIndex:
         """What a scan of the source folder gave, read back from the index as columns over its arrays (nothing
         built per sample, so a split of millions opens at once)."""
         a = self.arrays
-        starts = a["label_start"]
         sources = SourceColumn(a["sources"])
         return ScanResult(img_files=sources, label_files=LabelPaths(sources),
-                          labels=LabelTable(a["labels"], starts[:-1], starts[1:]),
+                          labels=LabelTable.packed(a["labels"], a["label_start"]),
                           image_hw=a["image_hw"], msgs=list(self.meta.get("msgs", [])),
                           counts=dict(self.meta.get("counts", {})))
 

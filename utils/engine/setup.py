@@ -22,7 +22,7 @@ from utils.core.dist import DistInfo
 from utils.core.hyp import Hyp, load_hyp
 from utils.core.logging import LOGGER
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
-from utils.data.loader import create_dataloader
+from utils.data.loader import LoaderSpec, build_loader
 from utils.engine.autoanchor import anchors_per_level, fit_anchors
 from utils.engine.budget import TimeBudget
 from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
@@ -218,16 +218,18 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
 
 def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, imgsz: int, grid: int,
                   batch: int, save_dir: Path, device: torch.device):
-    """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded)."""
-    common = dict(stride=grid, single_cls=opt.single_cls, info=info, workers=opt.workers, seed=opt.seed,
-                  nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
+    """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded), each from its
+    split's source (utils/data/split.py, decided when the data yaml was read)."""
+    common = dict(stride=grid, nc=len(data.names), single_cls=opt.single_cls, info=info, workers=opt.workers,
+                  seed=opt.seed, cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
                   pin_memory=device.type == "cuda",  # a CPU run on a GPU host opens no CUDA context
                   reuse_memory=True)  # the loop and evaluation let go of each batch before the next but one
-    train_loader = create_dataloader(data.train, imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
-                                     shuffle=True, prefix="train: ", render_on_device=opt.augment_on == "device",
-                                     **common)
+    train_loader = build_loader(LoaderSpec(data.sources["train"], imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
+                                           training=True, prefix="train: ",
+                                           render_on_device=opt.augment_on == "device", **common))
     val_batch = dist.per_rank_batch(opt.val_batch_size, info, "--val-batch-size")
-    val_loader = create_dataloader(data.val, imgsz, val_batch, rect=True, pad=0.5, prefix="val: ", **common)
+    val_loader = build_loader(LoaderSpec(data.sources["val"], imgsz, val_batch, rect=True, pad=0.5, prefix="val: ",
+                                         **common))
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
         train_loader.sampler.close_mosaic_from(mosaic_off_from(hyp.close_mosaic, opt.epochs))
     return train_loader, val_loader

@@ -144,9 +144,8 @@ def ground_truth(im_files: Sequence[str], labels: Sequence[np.ndarray], image_hw
 def dataset_ground_truth(dataset: LoadImagesAndLabels, names: Sequence[str],
                          source: SourceIds | None = None) -> dict[str, Any]:
     """ground_truth() of a LoadImagesAndLabels (rect-sorted or not: the ids do not change)."""
-    split = dataset.path if isinstance(dataset.path, (list, tuple)) else [dataset.path]
     return ground_truth(dataset.im_files, dataset.labels, dataset.image_hw, names,
-                        description=f"yolotrain ground truth of {', '.join(str(p) for p in split)}", source=source)
+                        description=f"yolotrain ground truth of {dataset.source.where}", source=source)
 
 
 def write_json(obj: Any, path: str | Path) -> None:

@@ -39,7 +39,7 @@ from utils.core.prologue import RunPrologue
 from utils.core.runs import pick_run_dir
 from utils.data.config import DataConfig, load_data_config, prepare_dataset
 from utils.data.imgcache import release_ram_caches
-from utils.data.loader import create_dataloader
+from utils.data.loader import LoaderSpec, build_loader
 from utils.engine.events import ValEvent, metric_summary
 from utils.eval import coco
 from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
@@ -214,11 +214,10 @@ def get_loader(opt: argparse.Namespace, data: DataConfig, single_cls: bool, imgs
     key = (str(data.file), task, imgsz, stride, single_cls, rect)
     if key not in loaders:  # nc is the file's class count: single-cls relabels rows to 0 after the scan
         batch = dist.per_rank_batch(opt.batch_size, info)
-        loaders[key] = create_dataloader(getattr(data, task), imgsz, batch, stride, info=info,
-                                         single_cls=single_cls, rect=rect, pad=0.5, workers=opt.workers,
-                                         nc=len(data.names), cache=opt.cache, cache_dir=opt.cache_dir,
-                                         prefix=f"{task}: ", report_dir=run_dir,
-                                         reuse_memory=True)  # evaluation clones the batches it keeps
+        loaders[key] = build_loader(LoaderSpec(
+            data.sources[task], imgsz, batch, stride, nc=len(data.names), info=info, single_cls=single_cls, rect=rect,
+            pad=0.5, workers=opt.workers, cache=opt.cache, cache_dir=opt.cache_dir, prefix=f"{task}: ",
+            report_dir=run_dir, reuse_memory=True))  # evaluation clones the batches it keeps
     return loaders[key]
 
 
