@@ -134,9 +134,9 @@ def instrument(timers: Timers) -> list[str]:
     from yolotrain.app import val
 
     missing = []
-    create = getattr(val, "create_dataloader", None)
-    if create is not None:
-        timers.replace(val, "create_dataloader", lambda *args, **kwargs: TimedLoader(create(*args, **kwargs), timers))
+    build = getattr(val, "build_loader", None)
+    if build is not None:
+        timers.replace(val, "build_loader", lambda *args, **kwargs: TimedLoader(build(*args, **kwargs), timers))
     else:
         missing.append("data wait")
     for module, name, label in ((val, "evaluate_model", "evaluation"), (evaluation, "match_image", "matching"),
