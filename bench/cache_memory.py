@@ -26,11 +26,11 @@ if __name__ == "__main__" and __package__ in (None, ""):
 
 import cv2
 
-from utils.data.shapes import generate_shapes
-from utils.data.augment import resize_long_side
-from utils.core.cli import ArgumentParser, Range
-from utils.data.imgcache import build_or_open
-from utils.core.logging import setup_logging
+from yolotrain.utils.data.shapes import generate_shapes
+from yolotrain.utils.data.augment import resize_long_side
+from yolotrain.utils.core.cli import ArgumentParser, Range
+from yolotrain.utils.data.imgcache import build_or_open
+from yolotrain.utils.core.logging import setup_logging
 
 
 def pss_kb(pid: int, only: str | None = None) -> int:

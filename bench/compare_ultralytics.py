@@ -37,7 +37,7 @@ so --workers defaults to 0 and ours gets the same number, both loading in the tr
 Method: each tool runs inside a small timing shim (written to the work dir, run with that tool's
 interpreter) that calls the tool's own entry point unchanged (ours: train.cli / val.main;
 Ultralytics: ultralytics.cfg.entrypoint, i.e. the `yolo` command) and records wall-clock stamps:
-  ours         utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both
+  ours         yolotrain.utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both
                by those module-level names; evaluate_model is the validation pass)
   ultralytics  'on_train_epoch_start' / 'on_train_epoch_end' callbacks (added to its default
                callbacks, which every model copies) and BaseValidator.__call__ (every validation)
@@ -84,7 +84,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.compare_yolov5 import base_env, epoch_times, steady, write_yaml  # noqa: E402
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 MAX_DET = 300  # both tools' default val max_det; COCOeval scores this many per image (its default is 100)
 MODEL_NAME = re.compile(r"(yolov8|yolo11|yolo26)[nsmlx]|yolov5[nsmlx]u")  # Ultralytics' anchor-free families
@@ -133,7 +133,7 @@ if mode == "ours-train":
     sys.path.insert(0, root)
     sys.argv = ["train.py", *argv]
     from yolotrain.app import train
-    from utils.engine import loop
+    from yolotrain.utils.engine import loop
     def setup(t):
         facts.update(optimizer=describe_optimizer(t.optimizer), params=n_params(t.model),
                      train_workers=t.train_loader.num_workers, val_workers=t.val_loader.num_workers,
@@ -245,9 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
 def source_dataset(data: str | None) -> tuple[dict[str, list[str]], list[str]]:
     """Image files of the train and val splits of ``data`` (the shapes yaml, generated on first use,
     when None) and its class names. Both tools then read copies, never the source."""
-    from utils.core.logging import setup_logging
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.labels import resolve_image_files
+    from yolotrain.utils.core.logging import setup_logging
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.labels import resolve_image_files
 
     setup_logging(verbose=False)
     cfg = load_data_config(data or ROOT / "data" / "shapes.yaml")
@@ -259,7 +259,7 @@ def copy_dataset(splits: dict[str, list[str]], names: list[str], dst: Path, n: d
     """A private copy of the first ``n[split]`` images of each split (0: all) and their labels in
     ``dst/images|labels/<split>``; returns its data yaml. Names must be unique within a split:
     the copy is flat, and Ultralytics' json names images by stem."""
-    from utils.data.labels import img2label_paths
+    from yolotrain.utils.data.labels import img2label_paths
 
     for split, files in splits.items():
         files = files[: n[split]] if n[split] else files
@@ -375,7 +375,7 @@ def coco_map(gt_file: Path, dets: list[dict]) -> tuple[float, float]:
 def run_tool(tool: str, opt: argparse.Namespace, work: Path, source: tuple[dict, list[str]], round_: int) -> dict:
     """Train, validate best.pt standalone with save-json, and score its json, with one tool on a fresh
     dataset copy and run folder; return its figures."""
-    from utils.eval.coco import export_split
+    from yolotrain.utils.eval.coco import export_split
 
     base = work / tool / f"round{round_}"
     splits, names = source

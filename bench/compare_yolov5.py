@@ -27,7 +27,7 @@ after every epoch (val batch 32 = YOLOv5's 2 x batch), autoanchor on in both.
 
 Method: each tool runs inside a small timing shim (written to the work dir, run with that tool's
 interpreter) that calls the tool's own entry point unchanged and records wall-clock stamps:
-  ours    utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both by
+  ours    yolotrain.utils.engine.loop's train_one_epoch and evaluate_model are wrapped (loop.py calls both by
           those module-level names; evaluate_model is utils/eval/evaluate.py's, the validation pass)
   yolov5  its Callbacks 'on_train_epoch_start' / 'on_train_epoch_end' hooks, and yolov5.val.run
 so "train s/epoch" is the batch loop of one epoch and "val s/epoch" the validation pass after it
@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 # Run by either interpreter: sys.argv = [shim, mode, events.json, ROOT, *tool args]. Records
 # (what, start, end, extra) stamps around the tool's own functions and writes them as JSON.
@@ -95,7 +95,7 @@ if mode == "ours-train":
     sys.argv = ["train.py", *argv]
     import torch
     from yolotrain.app import train
-    from utils.engine import loop
+    from yolotrain.utils.engine import loop
     wrap(loop, "train_one_epoch", "train")  # called by name from loop.run_epochs
     wrap(loop, "evaluate_model", "val")  # ... and from loop.validate
     rc = train.cli(argv)
@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def private_dataset(dst: Path, n_train: int, n_val: int) -> tuple[Path, dict[int, str]]:
     """Copy the built-in shapes dataset (generated on first use) to ``dst``; return its root and names."""
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.core.logging import setup_logging
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.core.logging import setup_logging
 
     setup_logging(verbose=False)
     data = load_data_config(ROOT / "data" / "shapes.yaml")
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"work dir: {work}", flush=True)
     try:
         hyp_files(work)
-        from utils.data.config import load_data_config
+        from yolotrain.utils.data.config import load_data_config
 
         names = dict(enumerate(load_data_config(ROOT / "data" / "shapes.yaml").names))
         tools = [t for t in ("ours", "yolov5") if opt.only in (None, t)]

@@ -18,7 +18,7 @@ for every such file:
 
   outputs  the package loads it its own way (in its own venv, ``ckpt.get("ema") or ckpt["model"]``,
            fp32, eval) and runs a fixed random batch; we read the same file through
-           utils.weights.checkpoint.load_model (the allow-listed reader, converted in memory) and run
+           yolotrain.utils.weights.checkpoint.load_model (the allow-listed reader, converted in memory) and run
            the same batch. Compared: the decoded predictions (YOLOv5's objectness multiplied into its
            class scores, as ours report them; for YOLO26 and YOLOv10 both the end-to-end detections and,
            with end2end off, the one-to-many NMS form) and the raw head outputs (both branches), as
@@ -61,9 +61,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
-from utils.core.logging import setup_logging  # noqa: E402
-from utils.weights.checkpoint import CheckpointCard, load_model  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.logging import setup_logging  # noqa: E402
+from yolotrain.utils.weights.checkpoint import CheckpointCard, load_model  # noqa: E402
 
 from bench.convert_parity_shims import OUR_VAL_SHIM, THEIR_SHIM  # noqa: E402
 
@@ -122,7 +122,7 @@ def package_of(model: str) -> str:
 
 def dataset_copy(dst: Path, n_train: int, n_val: int) -> Path:
     """The first N images of each split of the built-in shapes set (generated on first use), and a data yaml."""
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
 
     data = load_data_config(ROOT / "data" / "shapes.yaml")
     prepare_dataset(data)

@@ -37,8 +37,8 @@ short turns mosaic off from the start in both). Everything else is each tool's d
 LR, Ultralytics' deterministic=True). Each tool runs its own entry point unchanged inside a small
 timing shim (its own interpreter, a subprocess):
   ours         train.py's ``train.cli`` (so train.py's engine: build_training, run_epochs, AMP + GradScaler);
-               the shim wraps the loop's module-level ``utils.engine.loop.fetch_batches`` (every batch:
-               when the loop asked for it, when it got it) and ``utils.engine.loop.evaluate_model``
+               the shim wraps the loop's module-level ``yolotrain.utils.engine.loop.fetch_batches`` (every batch:
+               when the loop asked for it, when it got it) and ``yolotrain.utils.engine.loop.evaluate_model``
                (each validation), and ``train.build_training`` (FLOPs, precision).
   ultralytics  ``ultralytics.cfg.entrypoint`` (the ``yolo`` command) with device=0, in its own venv;
                callbacks on_train_epoch_start / on_train_batch_start / on_train_batch_end /
@@ -130,8 +130,8 @@ import torch  # noqa: E402
 from bench.compare_ultralytics import copy_dataset, source_dataset, ultralytics_env, ultralytics_settings  # noqa: E402
 from bench.compare_yolov5 import base_env, write_yaml  # noqa: E402
 from bench.train_speed import _timed_rate  # noqa: E402
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
-from utils.core.errors import UserError  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.errors import UserError  # noqa: E402
 
 EXIT_NO_CUDA = 2
 MODELS = re.compile(r"(yolov8|yolo11|yolo26)[nslmx]|yolov5[nslmx]u?|yolov10[nsmblx]")
@@ -179,8 +179,8 @@ if mode == "ours":
     mosaic, argv = argv[0] == "mosaic", argv[1:]
     sys.argv = ["train.py", *argv]
     from yolotrain.app import train
-    from utils.data import device_feed
-    from utils.engine import loop
+    from yolotrain.utils.data import device_feed
+    from yolotrain.utils.engine import loop
     inner_build, inner_fetch, inner_eval = train.build_training, loop.fetch_batches, loop.evaluate_model
     inner_images = device_feed.batch_images
     def batch_images(*a, **k):  # the training process's own part of a wait: queuing a batch's copy and drawing

@@ -32,12 +32,12 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from utils.core import dist  # noqa: E402
-from utils.core.cli import ArgumentParser, Range  # noqa: E402
-from utils.core.hyp import Hyp  # noqa: E402
-from utils.data.labels import COUNT_KEYS  # noqa: E402
-from utils.data.loader import create_dataloader  # noqa: E402
-from utils.data.shards import INDEX_SUFFIX, save_index  # noqa: E402
+from yolotrain.utils.core import dist  # noqa: E402
+from yolotrain.utils.core.cli import ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.hyp import Hyp  # noqa: E402
+from yolotrain.utils.data.labels import COUNT_KEYS  # noqa: E402
+from yolotrain.utils.data.loader import create_dataloader  # noqa: E402
+from yolotrain.utils.data.shards import INDEX_SUFFIX, save_index  # noqa: E402
 
 NC = 80
 PER_SHARD = 1000  # synthetic samples per shard name (no shard is written)

@@ -55,14 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from models.yolo import round_to_stride  # noqa: E402  (the repository is put on the path first)
-from utils.core import precision  # noqa: E402
-from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.data.images import read_image_bgr  # noqa: E402
-from utils.data.sources import letterbox_image  # noqa: E402
-from utils.infer.backends import Backend, OnnxBackend, TorchBackend, require  # noqa: E402
-from utils.infer.export import DecodedOnly, ExportOptions, write_onnx  # noqa: E402
-from utils.infer.predict import PredictOptions, Predictor  # noqa: E402
+from yolotrain.models.yolo import round_to_stride  # noqa: E402  (the repository is put on the path first)
+from yolotrain.utils.core import precision  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.data.images import read_image_bgr  # noqa: E402
+from yolotrain.utils.data.sources import letterbox_image  # noqa: E402
+from yolotrain.utils.infer.backends import Backend, OnnxBackend, TorchBackend, require  # noqa: E402
+from yolotrain.utils.infer.export import DecodedOnly, ExportOptions, write_onnx  # noqa: E402
+from yolotrain.utils.infer.predict import PredictOptions, Predictor  # noqa: E402
 
 SYNTHETIC_HW = (480, 640)  # a typical photo's size (VGA, landscape)
 

@@ -51,18 +51,18 @@ import yaml  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from bench.val_speed import Timers  # noqa: E402
-from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
-from utils.core.cpu import tune_malloc  # noqa: E402
-from utils.core.dist import DistInfo  # noqa: E402
-from utils.core.hyp import Hyp, load_hyp  # noqa: E402
-from utils.data import dataset as dataset_module  # noqa: E402
-from utils.data import render as render_module  # noqa: E402
-from utils.data.batch import Batch, BatchMemory  # noqa: E402
-from utils.data.config import load_data_config, prepare_dataset  # noqa: E402
-from utils.data.device_feed import DeviceFeed  # noqa: E402
-from utils.data.device_augment import render_batch  # noqa: E402
-from utils.data.imgcache import release_ram_caches  # noqa: E402
-from utils.data.loader import PREFETCH, TrainSampler, create_dataloader  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.cpu import tune_malloc  # noqa: E402
+from yolotrain.utils.core.dist import DistInfo  # noqa: E402
+from yolotrain.utils.core.hyp import Hyp, load_hyp  # noqa: E402
+from yolotrain.utils.data import dataset as dataset_module  # noqa: E402
+from yolotrain.utils.data import render as render_module  # noqa: E402
+from yolotrain.utils.data.batch import Batch, BatchMemory  # noqa: E402
+from yolotrain.utils.data.config import load_data_config, prepare_dataset  # noqa: E402
+from yolotrain.utils.data.device_feed import DeviceFeed  # noqa: E402
+from yolotrain.utils.data.device_augment import render_batch  # noqa: E402
+from yolotrain.utils.data.imgcache import release_ram_caches  # noqa: E402
+from yolotrain.utils.data.loader import PREFETCH, TrainSampler, create_dataloader  # noqa: E402
 
 STAGES = ("read+decode", "plan", "placement", "warp", "colour", "flip", "assembly")
 
@@ -281,7 +281,7 @@ def table(title: str, rows: dict[str, float], peer: dict[str, float] | None = No
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    from utils.core.logging import setup_logging
+    from yolotrain.utils.core.logging import setup_logging
 
     setup_logging(verbose=False)
     tune_malloc()  # as train.py on a CPU (its loader workers do it on any device)

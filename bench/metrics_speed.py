@@ -46,7 +46,7 @@ def make_images(n_images: int, nc: int, seed: int) -> list[dict[str, np.ndarray]
 
 def run_ours(images: list[dict[str, np.ndarray]], nc: int) -> tuple[float, float, float, float]:
     """-> (matching seconds, evaluate seconds, mAP50, mAP50-95)."""
-    from utils.eval.metrics import evaluate, match_image
+    from yolotrain.utils.eval.metrics import evaluate, match_image
 
     t0 = time.perf_counter()
     stats = [match_image(**im) for im in images]
@@ -94,7 +94,7 @@ def run_coco(images: list[dict[str, np.ndarray]], nc: int) -> tuple[float, float
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's (import here: see __main__)."""
-    from utils.core.cli import ArgumentParser, Range
+    from yolotrain.utils.core.cli import ArgumentParser, Range
 
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=Range(int, min=1), default=5000)

@@ -100,8 +100,8 @@ def measure(name: str, nc: int, imgsz: int) -> Row:
     on sys.path by now)."""
     import torch
 
-    from models.parse import MODELS_DIR
-    from models.yolo import Model
+    from yolotrain.models.parse import MODELS_DIR
+    from yolotrain.models.yolo import Model
 
     ref = REFERENCES[name]
     t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def model_names(spec: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags, range-checked at parse time like train.py's (import here: see __main__)."""
-    from utils.core.cli import IMGSZ, ArgumentParser, Range
+    from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range
 
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--imgsz", type=IMGSZ, default=640, help="image side for GFLOPs")

@@ -61,9 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.core.cli import ArgumentParser, Range  # noqa: E402
-from utils.core.errors import UserError, run_entry_point  # noqa: E402
-from utils.data.shapes import write_sample  # noqa: E402
+from yolotrain.utils.core.cli import ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.errors import UserError, run_entry_point  # noqa: E402
+from yolotrain.utils.data.shapes import write_sample  # noqa: E402
 
 GENERATOR_VERSION = 1  # bump when the composition changes, so the manifest tells old datasets apart
 SPLIT_SEED = 20240611  # fixed: which photos are held out for val does not depend on --seed

@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.data.shapes import generate_shapes  # noqa: E402
-from utils.core.cli import ArgumentParser, Range  # noqa: E402
-from utils.data.labelcache import cache_paths, load_or_scan  # noqa: E402
-from utils.data.labels import format_summary, img2label_paths, resolve_image_files, scan_labels  # noqa: E402
+from yolotrain.utils.data.shapes import generate_shapes  # noqa: E402
+from yolotrain.utils.core.cli import ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.data.labelcache import cache_paths, load_or_scan  # noqa: E402
+from yolotrain.utils.data.labels import format_summary, img2label_paths, resolve_image_files, scan_labels  # noqa: E402
 
 NC = 6  # classes in the shapes dataset
 

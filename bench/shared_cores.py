@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils.core.cpu import usable_cpus  # noqa: E402
+from yolotrain.utils.core.cpu import usable_cpus  # noqa: E402
 
 
 MODES = ("alone", "whole", "default", "even")

@@ -107,10 +107,10 @@ def count_steps(forward, loss, backward, step) -> dict:
 def ours(name: str, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
-    from models.yolo import Model
-    from utils.core.hyp import Hyp
-    from utils.engine.step import optimizer_step
-    from utils.engine.optim import ModelEMA
+    from yolotrain.models.yolo import Model
+    from yolotrain.utils.core.hyp import Hyp
+    from yolotrain.utils.engine.step import optimizer_step
+    from yolotrain.utils.engine.optim import ModelEMA
     torch.manual_seed(0)
     model = Model(ROOT / "models" / f"{name}.yaml", nc=args.classes).train()
     criterion = model.detect.build_criterion(Hyp(), args.imgsz)

@@ -29,16 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
+from yolotrain.utils.data.shapes import SHAPE_NAMES, generate_shapes  # noqa: E402
 from bench.loader_speed import epochs  # noqa: E402
-from utils.core.cli import ArgumentParser, Range  # noqa: E402
-from utils.core.dist import DistInfo  # noqa: E402
-from utils.core.hyp import Hyp  # noqa: E402
-from utils.core.logging import setup_logging  # noqa: E402
-from utils.data.config import load_data_config  # noqa: E402
-from utils.data.loader import create_dataloader  # noqa: E402
-from utils.data.shardcache import BUDGET_ENV  # noqa: E402
-from utils.data.shards import ShardIndex  # noqa: E402
+from yolotrain.utils.core.cli import ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.dist import DistInfo  # noqa: E402
+from yolotrain.utils.core.hyp import Hyp  # noqa: E402
+from yolotrain.utils.core.logging import setup_logging  # noqa: E402
+from yolotrain.utils.data.config import load_data_config  # noqa: E402
+from yolotrain.utils.data.loader import create_dataloader  # noqa: E402
+from yolotrain.utils.data.shardcache import BUDGET_ENV  # noqa: E402
+from yolotrain.utils.data.shards import ShardIndex  # noqa: E402
 from yolotrain.app import shards  # noqa: E402
 
 BUCKET = "bench"

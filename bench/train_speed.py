@@ -7,7 +7,7 @@
     python bench/train_speed.py --models n --imgsz 320 --scaling 2   # 1 process, then 2, and the efficiency
     python bench/train_speed.py --models n --imgsz 320 --profile torch   # where the step's time goes
 
-Each configuration is set up by train.py's own builder: ``utils.engine.setup.build_training`` on
+Each configuration is set up by train.py's own builder: ``yolotrain.utils.engine.setup.build_training`` on
 arguments parsed by ``train.build_parser()`` (--cfg models/<model>.yaml, this script's --data,
 --hyp (default: train.py's for the family), --imgsz, --batch-size, --workers, --threads, --seed, --device, --channels-last, --amp; --epochs 1,
 --noautoanchor, --noplots, the run folder in a temporary directory that is removed afterwards).
@@ -74,7 +74,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere, also under torch
 
 import torch  # noqa: E402
 
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range  # noqa: E402
 
 PHASES = ("data", "prep", "forward", "loss", "nan-check", "backward", "optim")
 
@@ -186,7 +186,7 @@ def reference_flops(device: torch.device, seconds: float) -> tuple[float, float]
     CPU: fp32 (what CPU training runs in). CUDA: fp16, since train.py trains with AMP there.
     The conv is a mid-network YOLO layer shape (128 -> 128 channels, 40 x 40, batch 16).
     """
-    from utils.core import dist
+    from yolotrain.utils.core import dist
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     n = 8192 if device.type == "cuda" else 2048
@@ -243,9 +243,9 @@ def model_name(size: str) -> str:
 
 def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.device, info) -> Result | None:
     """Build train.py's set-up for one model and image size (``build_training``), and time its steps."""
-    from utils.core.cli import ResolvedArgs
-    from utils.engine.config import Resume, resolve_config
-    from utils.engine.setup import build_training
+    from yolotrain.utils.core.cli import ResolvedArgs
+    from yolotrain.utils.engine.config import Resume, resolve_config
+    from yolotrain.utils.engine.setup import build_training
 
     with tempfile.TemporaryDirectory(prefix="train_speed_") as project:  # opt.yaml, hyp.yaml (rank 0's is used)
         cfg = resolve_config(Resume(ResolvedArgs(**vars(train_opt(size, imgsz, opt, project)))), device)  # as train.py resolves it
@@ -261,9 +261,9 @@ def run_config(size: str, imgsz: int, opt: argparse.Namespace, device: torch.dev
 def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
     """Warm-up steps, then the timed ones: the training step (utils/engine/step.py) from its own pieces, a
     timer between each two; every rank's figures go to rank 0, which returns the configuration's Result."""
-    from utils.core import dist, precision
-    from utils.data.device_feed import batch_images
-    from utils.engine.step import check_step
+    from yolotrain.utils.core import dist, precision
+    from yolotrain.utils.data.device_feed import batch_images
+    from yolotrain.utils.engine.step import check_step
 
     device, info, step = t.device, t.info, t.step
     model = step.module  # what the step's forward runs (DDP around the model when distributed)
@@ -494,22 +494,22 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     opt = parse_args(argv)
     if opt.scaling:
-        from utils.core.dist import dist_info
+        from yolotrain.utils.core.dist import dist_info
 
         if dist_info().distributed:
             raise SystemExit("--scaling starts its own processes: run it with plain python, not torchrun")
         scaling(opt, argv)
         return
-    from utils.core import dist
-    from utils.core.cores import set_cpu_threads
-    from utils.core.logging import setup_logging
+    from yolotrain.utils.core import dist
+    from yolotrain.utils.core.cores import set_cpu_threads
+    from yolotrain.utils.core.logging import setup_logging
 
     info = dist.dist_info(opt.local_rank)
     setup_logging(info.rank, info.world_size, verbose=False)
     set_cpu_threads(info, opt.threads)  # as train.py: ranks x threads <= cores unless --threads
     device = dist.select_device(opt.device, opt.batch_size, info)
     if device.type == "cpu":
-        from utils.core.cpu import tune_malloc
+        from yolotrain.utils.core.cpu import tune_malloc
 
         tune_malloc()  # as train.py
     with dist.process_group(info, device):

@@ -17,8 +17,8 @@ so the wrapper sees every call; a name no longer there is reported as n/a instea
   pre-process, inference, NMS   the evaluation's own per-image figures (EvalResult.speed_ms,
                first batch left out) x the images, so "other" absorbs their difference from the
                actual seconds (negative when the machine's load changed during the run)
-  matching     utils.eval.metrics.match_image, per image, inside the loop
-  evaluate     utils.eval.metrics.evaluate, once at the end (COCO accumulation)
+  matching     yolotrain.utils.eval.metrics.match_image, per image, inside the loop
+  evaluate     yolotrain.utils.eval.metrics.evaluate, once at the end (COCO accumulation)
   plots        val.py's save_eval_plots: batch pictures, curves, confusion matrix (off with --noplots)
   other        the rest of evaluate_model: eval mode and layout, the first batch (left out of
                val.py's speed figures), mapping boxes back to original pixels, confusion matrix,
@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 
 
 class Timers:
@@ -113,10 +113,10 @@ class TimedLoader:
 
 def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) -> Path:
     """A seeded, untrained model saved as val.py expects a training checkpoint."""
-    from models.parse import MODELS_DIR
-    from models.yolo import Model
-    from utils.data.config import load_data_config
-    from utils.weights.checkpoint import fp32_state_dict, save_checkpoint, to_plain
+    from yolotrain.models.parse import MODELS_DIR
+    from yolotrain.models.yolo import Model
+    from yolotrain.utils.data.config import load_data_config
+    from yolotrain.utils.weights.checkpoint import fp32_state_dict, save_checkpoint, to_plain
 
     names = load_data_config(data).names
     torch.manual_seed(seed)
@@ -130,7 +130,7 @@ def fresh_checkpoint(size: str, imgsz: int, data: str, seed: int, folder: Path) 
 
 def instrument(timers: Timers) -> list[str]:
     """Wrap the names val.py and the evaluation call; returns the labels that could not be wrapped."""
-    import utils.eval.evaluate as evaluation
+    import yolotrain.utils.eval.evaluate as evaluation
     from yolotrain.app import val
 
     missing = []

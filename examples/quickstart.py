@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the API is imported from the checkout, wherever this script runs from
 
-from utils.data.config import load_data_config  # noqa: E402
+from yolotrain.utils.data.config import load_data_config  # noqa: E402
 from yolotrain import YOLO  # noqa: E402
 
 

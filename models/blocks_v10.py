@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.blocks import Attention, C2f, Conv
+from yolotrain.models.blocks import Attention, C2f, Conv
 
 
 class SCDown(nn.Module):

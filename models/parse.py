@@ -32,13 +32,13 @@ from typing import Any, NamedTuple
 import yaml
 from torch import nn
 
-from models.blocks import C3k2, Concat
-from models.heads.anchor import check_anchors_spec
-from models.heads.base import Head
-from models.registry import (CHANNEL_MODULES, MODULES, REPEAT_INSIDE, head_args, head_class, head_has_anchors,
+from yolotrain.models.blocks import C3k2, Concat
+from yolotrain.models.heads.anchor import check_anchors_spec
+from yolotrain.models.heads.base import Head
+from yolotrain.models.registry import (CHANNEL_MODULES, MODULES, REPEAT_INSIDE, head_args, head_class, head_has_anchors,
                              head_names, row_class)
-from utils.core.errors import UserError, did_you_mean
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.logging import LOGGER
 
 MODELS_DIR = Path(__file__).resolve().parent
 TOP_LEVEL_KEYS = ("nc", "depth_multiple", "width_multiple", "scales", "scale", "anchors", "backbone", "head", "ch",

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.blocks import C2PSA, C3, SPPF, Bottleneck, C2f, C3k2, Concat, Conv, DWConv
-from models.blocks_v10 import CIB, PSA, C2fCIB, SCDown
-from models.heads.anchor import Detect
-from models.heads.base import Head
-from models.heads.dfl import DFLDetect
-from models.heads.e2e import E2EDetect, V10Detect
+from yolotrain.models.blocks import C2PSA, C3, SPPF, Bottleneck, C2f, C3k2, Concat, Conv, DWConv
+from yolotrain.models.blocks_v10 import CIB, PSA, C2fCIB, SCDown
+from yolotrain.models.heads.anchor import Detect
+from yolotrain.models.heads.base import Head
+from yolotrain.models.heads.dfl import DFLDetect
+from yolotrain.models.heads.e2e import E2EDetect, V10Detect
 
 MODULES: dict[str, type[nn.Module]] = {
     "Conv": Conv,

@@ -14,13 +14,13 @@ import thop
 import torch
 from torch import nn
 
-from models.blocks import C3, Conv
-from models.blocks_v10 import RepVGGDW
-from models.heads.anchor import check_anchors_spec, plain_anchors, resample_anchors
-from models.heads.base import Head
-from models.parse import head_has_anchors, load_model_yaml, parse_model
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.models.blocks import C3, Conv
+from yolotrain.models.blocks_v10 import RepVGGDW
+from yolotrain.models.heads.anchor import check_anchors_spec, plain_anchors, resample_anchors
+from yolotrain.models.heads.base import Head
+from yolotrain.models.parse import head_has_anchors, load_model_yaml, parse_model
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 PROBE_SIZE = 256  # image side used to measure the strides of a freshly built model
 
@@ -86,7 +86,7 @@ class Model(nn.Module):
     @property
     def end2end(self) -> bool:
         """Whether the eval output is the head's final detections (no NMS): what post-processing reads
-        (utils.core.boxes.postprocess), so callers never ask which family the model is."""
+        (yolotrain.utils.core.boxes.postprocess), so callers never ask which family the model is."""
         return bool(self.detect.end2end)
 
     @property

@@ -94,7 +94,7 @@ def shapes_dataset(once) -> Callable[..., Path]:
     """``shapes_dataset(seed, n_train, n_val, img_size=96)``: the root of a generated shapes dataset (images/ and
     labels/ with train and val), made once per test run for each set of arguments. Read-only: copy it to edit it."""
     def get(seed: int, n_train: int, n_val: int, img_size: int = 96) -> Path:
-        from utils.data.shapes import generate_shapes
+        from yolotrain.utils.data.shapes import generate_shapes
 
         name = f"shapes-{seed}-{n_train}-{n_val}-{img_size}"
         return once(name, lambda folder: generate_shapes(folder / "shapes", seed=seed, n_train=n_train, n_val=n_val,
@@ -134,7 +134,7 @@ def _train_confident(data: Path, project: Path, cfg: str) -> Path:
     """
     import re
 
-    from utils.weights.checkpoint import load_checkpoint, save_checkpoint
+    from yolotrain.utils.weights.checkpoint import load_checkpoint, save_checkpoint
 
     args = ["--epochs", "1", "--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0",
             "--seed", "3", "--noplots"]
@@ -174,7 +174,7 @@ def tiny_v8n(tiny_data, once) -> Path:
 @pytest.fixture
 def restore_logger():
     """The CLI attaches a handler to the project logger; later tests must not write to this test's capture."""
-    from utils.core.logging import LOGGER
+    from yolotrain.utils.core.logging import LOGGER
 
     saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
     yield
@@ -190,7 +190,7 @@ def project_log(restore_logger) -> list[str]:
     inside the test replaces the logger's handlers: ask for this fixture after it."""
     import logging
 
-    from utils.core.logging import LOGGER
+    from yolotrain.utils.core.logging import LOGGER
 
     messages: list[str] = []
     handler = logging.Handler(logging.INFO)

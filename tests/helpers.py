@@ -186,8 +186,8 @@ def raises_user_error(cfg: Path | dict | str, *fragments: str) -> str:
     """Building ``cfg`` is refused with a UserError naming every fragment; returns its message."""
     import pytest
 
-    from models.yolo import Model
-    from utils.core.errors import UserError
+    from yolotrain.models.yolo import Model
+    from yolotrain.utils.core.errors import UserError
     with pytest.raises(UserError) as e:
         Model(cfg)
     msg = str(e.value)
@@ -244,7 +244,7 @@ def check_numeric_flags(parser) -> list[str]:
 
     Numeric: ``type`` int or float, or a default that is (or lists) an int or float.
     """
-    from utils.core.cli import Range
+    from yolotrain.utils.core.cli import Range
 
     unchecked = []
     for action in parser._actions:
@@ -257,7 +257,7 @@ def check_numeric_flags(parser) -> list[str]:
 
 def check_defaults(parser) -> list[str]:
     """Names of range-checked flags whose default is outside the range (want: []); None means 'unset'."""
-    from utils.core.cli import Range
+    from yolotrain.utils.core.cli import Range
 
     bad = []
     for action in parser._actions:

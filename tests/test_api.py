@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.helpers import PYTHON, ROOT, TORCHRUN, run, run_env
-from utils.core.callbacks import EVENTS, CallbackError, Callbacks
-from utils.core.errors import UserError
-from utils.weights.checkpoint import load_checkpoint
+from yolotrain.utils.core.callbacks import EVENTS, CallbackError, Callbacks
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.weights.checkpoint import load_checkpoint
 from yolotrain import YOLO
 from yolotrain.options import to_argv
 
@@ -95,7 +95,7 @@ def test_callbacks_hear_the_run_in_order_and_a_failing_one_stops_it(tiny_data, t
 
 @pytest.fixture(scope="module")
 def val_folder(tiny_data) -> Path:
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
 
     data = load_data_config(tiny_data)
     prepare_dataset(data)

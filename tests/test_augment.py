@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from utils.core.dist import DistInfo
-from utils.core.hyp import Hyp
-from utils.data.augment import (blend, box_candidates, mixup_ratio, needs_warp, perspective_matrix, resized_hw,
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.augment import (blend, box_candidates, mixup_ratio, needs_warp, perspective_matrix, resized_hw,
                                 resized_hw_all, warp_boxes, warp_image)
-from utils.data.dataset import LoadImagesAndLabels
-from utils.data.labels import img2label_paths
-from utils.data.loader import create_dataloader
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.labels import img2label_paths
+from yolotrain.utils.data.loader import create_dataloader
 
 # Pure BGR colours: one per class, easy to find again after interpolation.
 COLOURS = np.array([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 0, 255), (0, 255, 255)], np.uint8)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.heads.anchor import resample_anchors
-from models.yolo import Model
-from utils.core.hyp import Hyp
-from utils.engine import autoanchor
-from utils.engine.autoanchor import (
+from yolotrain.models.heads.anchor import resample_anchors
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine import autoanchor
+from yolotrain.utils.engine.autoanchor import (
     AnchorFit,
     anchor_metrics,
     anchors_per_level,
@@ -25,7 +25,7 @@ from utils.engine.autoanchor import (
     model_anchors_px,
     set_anchors,
 )
-from utils.core.errors import UserError
+from yolotrain.utils.core.errors import UserError
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 COCO_ANCHORS = [[10, 13, 16, 30, 33, 23], [30, 61, 62, 45, 59, 119], [116, 90, 156, 198, 373, 326]]

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from yolotrain.app import train
-from models.yolo import Model
+from yolotrain.models.yolo import Model
 from tests.helpers import ROOT, run_env
-from utils.core.cli import ResolvedArgs
-from utils.core.errors import UserError
-from utils.core.hyp import Hyp
-from utils.engine.autobatch import FREE_FRACTION, GiB, PROFILE_BATCHES, agree_on_batch, auto_batch_size, cuda_measure, \
+from yolotrain.utils.core.cli import ResolvedArgs
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.autobatch import FREE_FRACTION, GiB, PROFILE_BATCHES, agree_on_batch, auto_batch_size, cuda_measure, \
     cuda_usable_bytes, fit_batch, global_batch, profile_size, profile_step, synthetic_targets
-from utils.engine.config import Resume, resolve_config
+from yolotrain.utils.engine.config import Resume, resolve_config
 
 TOTAL = 80 * GiB
 

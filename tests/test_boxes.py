@@ -1,9 +1,9 @@
-"""utils.core.boxes NMS: what it keeps, and that a batch on several threads equals each image alone."""
+"""yolotrain.utils.core.boxes NMS: what it keeps, and that a batch on several threads equals each image alone."""
 from __future__ import annotations
 
 import torch
 
-from utils.core.boxes import non_max_suppression
+from yolotrain.utils.core.boxes import non_max_suppression
 
 
 def _raw(rows: list[list[float]]) -> torch.Tensor:
@@ -206,7 +206,7 @@ def test_an_iou_equal_to_the_threshold_does_not_suppress():
 def test_one_nms_call_keeps_the_rows_that_one_call_per_class_keeps(monkeypatch):
     """Above ONE_NMS_CALL_MAX boxes NMS runs class by class on the shifted boxes (the CPU above 1000, CUDA
     above 25000), below it in one call: both keep the same rows, so every device gives the same detections."""
-    from utils.core import boxes
+    from yolotrain.utils.core import boxes
 
     g = torch.Generator().manual_seed(4)
     xy = torch.rand(2, 4000, 2, generator=g) * 600 - 20  # negative corners too

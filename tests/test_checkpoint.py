@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from utils.core.errors import UserError
-from utils.engine.rng import rng_states, set_rng_states
-from utils.weights import checkpoint as ck
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.engine.rng import rng_states, set_rng_states
+from yolotrain.utils.weights import checkpoint as ck
 
 
 def _ckpt(value: float) -> dict:

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tests.helpers import ROOT, check_defaults, check_numeric_flags, run, run_env
-from utils.core import cli as shared
-from utils.core.cli import ArgumentParser, Range
+from yolotrain.utils.core import cli as shared
+from yolotrain.utils.core.cli import ArgumentParser, Range
 
 BENCH = ("cache_memory", "compare_yolov5", "loader_speed", "metrics_speed", "model_table", "scan_speed",
          "train_speed", "val_speed", "infer_speed", "compare_ultralytics", "photo_dataset")
@@ -80,7 +80,7 @@ def test_checker_finds_unchecked_numeric_flags():
 @pytest.mark.parametrize("cli", ["train", "val", "detect", "export", "tune", "coco", *BENCH])
 def test_every_numeric_flag_is_range_checked(cli):
     parser = _parser(cli)
-    assert isinstance(parser, ArgumentParser), f"{cli}: use utils.core.cli.ArgumentParser for one-line errors"
+    assert isinstance(parser, ArgumentParser), f"{cli}: use yolotrain.utils.core.cli.ArgumentParser for one-line errors"
     assert check_numeric_flags(parser) == [], f"{cli}: numeric flags without a Range type"
     assert check_defaults(parser) == [], f"{cli}: defaults outside their Range"
 
@@ -120,7 +120,7 @@ def test_defaults_and_aliases_still_parse():
 
 
 # ---------------------------------------------------------------- shared flag groups
-SHARED = {  # utils.core.cli group -> the CLIs that take it
+SHARED = {  # yolotrain.utils.core.cli group -> the CLIs that take it
     shared.add_device_flags: ("train", "val", "detect", "export"),
     shared.add_workers_flag: ("train", "val", "detect"),
     shared.add_cache_flags: ("train", "val"),
@@ -213,8 +213,8 @@ def test_one_tool_imports_that_tool_alone():
     p = run([sys.executable, "-X", "importtime", "val.py", "--help"])
     imported = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
     assert "yolotrain.app.val" in imported
-    assert not {m for m in imported if m.startswith(("yolotrain.app.train", "yolotrain.app.tune", "yolotrain.model",
-                                                     "yolotrain.app.search", "optuna"))}
+    others = ("yolotrain.app.train", "yolotrain.app.tune", "yolotrain.model", "yolotrain.app.search", "optuna")
+    assert not {m for m in imported if any(m == o or m.startswith(o + ".") for o in others)}
     import yolotrain
 
     assert {"YOLO", "convert_coco", "UserError"} <= set(dir(yolotrain)) and yolotrain.YOLO.__name__ == "YOLO"
@@ -234,8 +234,10 @@ def test_every_command_a_message_names_exists():
     modules = {m for m in re.findall(r"python -m ([\w.]+)", text) if m != "yolotrain"}
     scripts = set(re.findall(r"python ([\w/]+\.py)", text))
     files = set(re.findall(r"-r (requirements[\w-]*\.txt)", text))
-    assert tools and scripts and files  # the scan found what it looks for
+    named = set(re.findall(r"tool_command\([\"'](\w+)[\"']\)", text))  # a tool named as this form runs it
+    assert tools and scripts and files and named  # the scan found what it looks for
     assert tools <= set(TOOLS), tools - set(TOOLS)
+    assert named <= set(TOOLS), named - set(TOOLS)
     def runnable(module: str) -> bool:  # python -m runs a module, or a package's __main__
         spec = importlib.util.find_spec(module)
         return spec is not None and (spec.submodule_search_locations is None
@@ -244,3 +246,15 @@ def test_every_command_a_message_names_exists():
     assert [m for m in modules if not runnable(m)] == []
     assert [s for s in scripts if not (ROOT / s).is_file()] == []
     assert [f for f in files if not (ROOT / f).is_file()] == []
+
+
+def test_a_message_names_a_tool_as_this_form_of_yolotrain_runs_it(monkeypatch):
+    """The checkout's scripts and python -m yolotrain; an installed package's console command."""
+    from yolotrain.__main__ import TOOLS
+    from yolotrain.utils.core import cli
+
+    checkout = {t: cli.tool_command(t) for t in TOOLS}
+    assert checkout["val"] == "python val.py" and checkout["shards"] == "python -m yolotrain shards"
+    assert all((ROOT / c.split()[1]).is_file() for c in checkout.values() if c.endswith(".py"))
+    monkeypatch.setattr(cli, "CHECKOUT", False)
+    assert [cli.tool_command(t) for t in TOOLS] == [f"yolotrain {t}" for t in TOOLS]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from yolotrain.app import train
-from models.yolo import Model, de_parallel
+from yolotrain.models.yolo import Model, de_parallel
 from tests.helpers import DIE_AFTER_SAVE, PYTHON, RESUME, ROOT, assert_same_run, load, out, run, run_train
-from utils.core.dist import DistInfo
-from utils.engine.config import RESUME_HARMLESS
-from utils.engine.step import StepOptions, wrap
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.engine.config import RESUME_HARMLESS
+from yolotrain.utils.engine.step import StepOptions, wrap
 
 V8N = ROOT / "models" / "yolov8n.yaml"
 

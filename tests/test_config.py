@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from utils.core.hyp import Hyp, load_hyp
+from yolotrain.utils.core.hyp import Hyp, load_hyp
 
-from utils.data.config import load_data_config
-from utils.core.errors import UserError
+from yolotrain.utils.data.config import load_data_config
+from yolotrain.utils.core.errors import UserError
 from tests.helpers import ROOT
 
 
@@ -93,7 +93,7 @@ def test_names_dict_becomes_list(tmp_path):
 
 
 def test_unknown_generate_arg_is_a_user_error(tmp_path):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     f = tmp_path / "d.yaml"
     f.write_text("path: ds\ntrain: images/train\nval: images/val\nnames: [a]\n"
                  "generate: shapes\ngenerate_args: {n_trian: 4}\n")
@@ -103,7 +103,7 @@ def test_unknown_generate_arg_is_a_user_error(tmp_path):
 
 
 def test_missing_split_path_is_a_user_error(tmp_path):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     f = tmp_path / "d.yaml"
     f.write_text("train: images/train\nval: images/val\nnames: [a]\n")
     with pytest.raises(UserError, match=r"d\.yaml: 'train' path not found: .*images/train"):
@@ -112,7 +112,7 @@ def test_missing_split_path_is_a_user_error(tmp_path):
 
 @pytest.mark.parametrize("make", ["empty_dir", "empty_txt"])
 def test_empty_split_names_yaml_and_key(tmp_path, make):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     (tmp_path / "images" / "train").mkdir(parents=True)
     (tmp_path / "images" / "train" / "a.jpg").write_bytes(b"x")
     if make == "empty_dir":
@@ -294,7 +294,7 @@ download: |
 
 
 def test_yolov5_data_yamls_load_and_download_is_never_run(tmp_path, monkeypatch):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     for name, text in (("coco128", YOLOV5_COCO128), ("VOC", YOLOV5_VOC)):
@@ -314,7 +314,7 @@ def test_yolov5_data_yamls_load_and_download_is_never_run(tmp_path, monkeypatch)
 
 
 def test_download_hint_names_the_missing_split_when_the_root_exists(tmp_path):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     (tmp_path / "ds" / "images" / "val").mkdir(parents=True)
     (tmp_path / "ds" / "images" / "val" / "a.jpg").write_bytes(b"x")
     f = tmp_path / "d.yaml"
@@ -325,7 +325,7 @@ def test_download_hint_names_the_missing_split_when_the_root_exists(tmp_path):
 
 @pytest.mark.parametrize("layout", ["yolov5_cwd", "yolov5_yaml_in_data", "ultralytics"])
 def test_path_hint_names_where_yolov5_or_ultralytics_would_look(tmp_path, monkeypatch, layout):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     if layout == "yolov5_cwd":  # run from a YOLOv5 checkout: ../datasets is beside it
         cwd, yaml_dir, text, found = tmp_path / "yolov5", tmp_path / "yolov5" / "mydata", "../datasets/coco128", \
             tmp_path / "datasets" / "coco128"
@@ -358,7 +358,7 @@ def test_path_hint_names_where_yolov5_or_ultralytics_would_look(tmp_path, monkey
 
 
 def test_absolute_splits_work_whatever_path_says(tmp_path):
-    from utils.data.config import prepare_dataset
+    from yolotrain.utils.data.config import prepare_dataset
     images = tmp_path / "elsewhere" / "images"
     images.mkdir(parents=True)
     (images / "a.jpg").write_bytes(b"x")

@@ -22,14 +22,14 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.base import Head
-from models.yolo import Model
+from yolotrain.models.heads.base import Head
+from yolotrain.models.yolo import Model
 from tests.helpers import PYTHON, ROOT, run_env
-from utils.core.errors import UserError
-from utils.weights.checkpoint import load_checkpoint, load_model
-from utils.weights.convert.foreign import ULTRALYTICS, YOLOV5
-from utils.weights.convert.reader import Archive, ReadError
-from utils.engine.setup import transfer_weights
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.weights.checkpoint import load_checkpoint, load_model
+from yolotrain.utils.weights.convert.foreign import ULTRALYTICS, YOLOV5
+from yolotrain.utils.weights.convert.reader import Archive, ReadError
+from yolotrain.utils.engine.setup import transfer_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = ["cat", "dog", "bird"]

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from utils.core import cores
-from utils.core.cores import Holder, Registry, choose_threads, claim_cores, job_key
-from utils.core.dist import DistInfo
+from yolotrain.utils.core import cores
+from yolotrain.utils.core.cores import Holder, Registry, choose_threads, claim_cores, job_key
+from yolotrain.utils.core.dist import DistInfo
 
 ONE = DistInfo(0, 0, 1, 1)
 

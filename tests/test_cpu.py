@@ -1,4 +1,4 @@
-"""utils.core.cpu: large freed blocks stay in the heap, so reusing them costs no page faults."""
+"""yolotrain.utils.core.cpu: large freed blocks stay in the heap, so reusing them costs no page faults."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from utils.core import cpu
+from yolotrain.utils.core import cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = r"""
 import ctypes, resource, sys
 sys.path.insert(0, sys.argv[2])
-from utils.core.cpu import tune_malloc
+from yolotrain.utils.core.cpu import tune_malloc
 tuned = tune_malloc() if sys.argv[1] == "tune" else False
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -51,7 +51,7 @@ def test_an_epoch_on_a_gpu_and_its_checkpoint_loads_on_a_cpu_only_machine(tiny_d
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     assert ckpt["scaler"].get("scale", 0) > 0 and ckpt["val_precision"] == "fp16"
     assert all(v.isfinite().all() for v in ckpt["model"].values() if v.is_floating_point())
-    probe = ("import torch; from utils.weights.checkpoint import load_model; "
+    probe = ("import torch; from yolotrain.utils.weights.checkpoint import load_model; "
              f"m, card = load_model({str(last)!r}, torch.device('cpu')); print(torch.cuda.is_available(), card.epoch)")
     q = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**run_env(), "CUDA_VISIBLE_DEVICES": ""},
                        capture_output=True, text=True, timeout=300)

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from utils.core.dist import DistInfo
-from utils.core.errors import UserError
-from utils.core.hyp import Hyp
-from utils.core.logging import LOGGER
-from utils.data import labelcache
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data import labelcache
 from tests.helpers import global_indices
-from utils.data.augment import apply_hsv, flip_draws, flip_labels, hsv_gains, letterbox
-from utils.data.dataset import LoadImagesAndLabels
-from utils.data.labels import img2label_paths, resolve_image_files
-from utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
+from yolotrain.utils.data.augment import apply_hsv, flip_draws, flip_labels, hsv_gains, letterbox
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.labels import img2label_paths, resolve_image_files
+from yolotrain.utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
 
 # No colour change and no geometry (mosaic, translate, scale off): only flips move the boxes.
 NO_COLOUR = Hyp(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, fliplr=0.5, flipud=0.5, mosaic=0.0, translate=0.0, scale=0.0)
@@ -487,9 +487,9 @@ def test_val_py_writes_the_report_into_its_run_folder(tmp_path):
     import subprocess
     import sys
 
-    from models.yolo import Model
+    from yolotrain.models.yolo import Model
     from tests.helpers import ROOT, run_env
-    from utils.weights.checkpoint import fp32_state_dict, save_checkpoint
+    from yolotrain.utils.weights.checkpoint import fp32_state_dict, save_checkpoint
 
     _tiny_split(tmp_path / "ds", 4, labelled=4, split="val")
     (tmp_path / "ds" / "labels" / "val" / "001.txt").write_text("0 0.5 0.5 0.4 0.4\n3 0.5 0.5 0.4 0.4\n")

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from tests.helpers import PYTHON, run, val_here
-from utils.core.errors import UserError
-from utils.data.convert import convert_coco, convert_voc
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.convert import convert_coco, convert_voc
 
 CATS = [{"id": 90, "name": "toothbrush"}, {"id": 3, "name": "car"}, {"id": 17, "name": "cat"}]
 
@@ -75,8 +75,8 @@ def test_coco_remaps_ids_drops_crowd_clips_and_keeps_backgrounds(tmp_path):
 
 
 def test_converted_dataset_loads_with_the_project_loader(tmp_path):
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.dataset import LoadImagesAndLabels
 
     _coco(tmp_path / "coco")
     convert_coco(tmp_path / "coco", tmp_path / "out")
@@ -91,9 +91,9 @@ def test_converted_dataset_loads_with_the_project_loader(tmp_path):
 
 def test_ground_truth_gives_a_small_box_far_from_the_origin_back_exactly(tmp_path):
     """float32 would lose ~1e-5 of w = x2 - x1 here; the ground truth keeps the source box to 1e-9."""
-    from utils.data.config import load_data_config
-    from utils.data.dataset import LoadImagesAndLabels
-    from utils.eval.coco import SourceIds, dataset_ground_truth
+    from yolotrain.utils.data.config import load_data_config
+    from yolotrain.utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.eval.coco import SourceIds, dataset_ground_truth
 
     boxes = [[4093.37, 3070.11, 1.93, 2.07], [0.13, 0.27, 4000.5, 3.3], [2.2, 1.1, 0.71, 0.35]]
     _coco(tmp_path / "coco", images=[{"id": 5, "file_name": "big.jpg", "width": 4096, "height": 3073}],

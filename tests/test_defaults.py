@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import train_here, val_here
-from utils.engine.config import DEMO_DATA, SIZE_DEFAULTS, size_defaults
+from yolotrain.utils.engine.config import DEMO_DATA, SIZE_DEFAULTS, size_defaults
 
 
 def test_the_built_in_demo_keeps_its_quick_sizes():
@@ -51,7 +51,7 @@ def test_the_checkpoint_records_the_size_trained_at_and_val_py_uses_it(tiny_data
 def test_the_start_summary_says_which_defaults_applied():
     from types import SimpleNamespace
 
-    from utils.engine.summary import sizing_note
+    from yolotrain.utils.engine.summary import sizing_note
 
     assert "the built-in demo's defaults: 256 px, 8 epochs" in sizing_note(SimpleNamespace(sized_for="demo"))
     assert "defaults for your own data" in sizing_note(SimpleNamespace(sized_for="your data"))

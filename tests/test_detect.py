@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.helpers import PYTHON, TORCHRUN, out, run
-from utils.core.errors import UserError
-from utils.data.sources import assign_videos, letterbox_image, resolve_sources, unique_stems
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.sources import assign_videos, letterbox_image, resolve_sources, unique_stems
 
 VIDEO_FRAMES, VIDEO_FPS = 10, 12.5
 COMMON = ["--save-txt", "--save-conf", "--batch-size", "6"]  # 3 per rank on two ranks
@@ -26,7 +26,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def val_images(tiny_data) -> Path:
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
 
     data = load_data_config(tiny_data)
     prepare_dataset(data)
@@ -212,7 +212,7 @@ def test_missing_source_exits_1_with_one_line(tiny_v5n, tmp_path):
 
 # ---------------------------------------------------------------- library units
 def test_letterbox_equals_the_val_loaders_square_input(tmp_path):
-    from utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.data.dataset import LoadImagesAndLabels
 
     rng = np.random.default_rng(0)
     (tmp_path / "images").mkdir()
@@ -255,7 +255,7 @@ def test_videos_go_whole_to_the_least_loaded_rank():
 
 
 def test_drawn_box_has_the_class_colour_and_a_label():
-    from utils.eval.plots import class_color, draw_detections
+    from yolotrain.utils.eval.plots import class_color, draw_detections
 
     img = np.zeros((200, 300, 3), np.uint8)
     draw_detections(img, np.array([[50, 80, 250, 180, 0.9, 3]]), ["a", "b", "c", "star"], line_width=2)
@@ -282,8 +282,8 @@ def test_half_on_cpu_runs_a_checkpoint_in_bf16_near_fp32(tiny_v8n, val_images, o
     boxes, decoded in fp32, stay within a pixel of fp32 inference's and scores within 0.02. (The
     comparison is before NMS: this barely trained model has many near-tied boxes NMS may order
     either way.)"""
-    from utils.infer.backends import load_backend
-    from utils.infer.predict import PredictOptions, Predictor
+    from yolotrain.utils.infer.backends import load_backend
+    from yolotrain.utils.infer.predict import PredictOptions, Predictor
 
     cpu = torch.device("cpu")
     boxed = [letterbox_image(cv2.imread(str(f)), 64) for f in sorted(val_images.glob("*.jpg"))]

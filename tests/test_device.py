@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from utils.core import dist
-from utils.core.dist import DistInfo
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 
 def node(local_rank: int, ranks: int = 8, nodes: int = 1) -> DistInfo:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.helpers import global_indices
-from utils.core.hyp import Hyp
-from utils.data.batch import BatchMemory
-from utils.data.dataset import LoadImagesAndLabels, SampleKey
-from utils.data.device_augment import render_batch
-from utils.data.loader import MOSAIC_POOL, TrainSampler, create_dataloader
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.batch import BatchMemory
+from yolotrain.utils.data.dataset import LoadImagesAndLabels, SampleKey
+from yolotrain.utils.data.device_augment import render_batch
+from yolotrain.utils.data.loader import MOSAIC_POOL, TrainSampler, create_dataloader
 
 FULL = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0, mixup=0.5,
            degrees=10.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0)
@@ -238,8 +238,8 @@ def test_a_mosaic_run_drawn_on_the_device_resumes_exactly(tiny_data, tmp_path):
 def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, resolved):
     """--augment-on is part of the frozen run config (so checkpoints record it); auto on a CPU: the workers."""
     from yolotrain.app import train
-    from utils.core.cli import ResolvedArgs
-    from utils.engine.config import Resume, resolve_config
+    from yolotrain.utils.core.cli import ResolvedArgs
+    from yolotrain.utils.engine.config import Resume, resolve_config
 
     argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--augment-on", flag]
     cfg = resolve_config(Resume(ResolvedArgs(**vars(train.build_parser().parse_args(argv)))), torch.device("cpu"))
@@ -247,7 +247,7 @@ def test_augment_on_resolves_once_and_is_recorded(tiny_data, tmp_path, flag, res
 
 
 def test_augment_on_auto_draws_on_the_gpu_of_a_cuda_run():
-    from utils.engine.config import augment_default
+    from yolotrain.utils.engine.config import augment_default
 
     assert augment_default("auto", torch.device("cuda", 0)) == "device"
     assert augment_default("auto", torch.device("cpu")) == "workers"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from utils.core.hyp import Hyp
-from utils.data.device_feed import DeviceFeed, batch_images
-from utils.data.loader import create_dataloader
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.device_feed import DeviceFeed, batch_images
+from yolotrain.utils.data.loader import create_dataloader
 
 HYP = Hyp(hsv_h=0.015, hsv_s=0.7, hsv_v=0.4, fliplr=0.5, flipud=0.1, mosaic=1.0, mixup=0.3,
           degrees=10.0, translate=0.1, scale=0.5, shear=2.0, perspective=0.0)

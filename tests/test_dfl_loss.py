@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.dfl_loss import AnchorGrid, DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
-from models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets
+from yolotrain.models.heads.dfl_loss import AnchorGrid, DFLLoss, DFLLossGains, distribution_focal_loss, distribution_mean
+from yolotrain.models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets
 from tests.helpers import ROOT
 from tests.test_tal import CASES, ref_assign, ref_ciou, ref_gts
-from utils.core.hyp import OPTIONAL_HYP, Hyp, load_hyp
+from yolotrain.utils.core.hyp import OPTIONAL_HYP, Hyp, load_hyp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,7 @@ GAINS = DFLLossGains(box=7.5, cls=0.5, dfl=1.5)
 
 
 def stand_in_head(nc: int = NC, reg_max: int = REG_MAX, dtype: torch.dtype = torch.float64) -> SimpleNamespace:
-    """The attributes the loss reads from a head (models.heads.dfl_loss.DistributionHead)."""
+    """The attributes the loss reads from a head (yolotrain.models.heads.dfl_loss.DistributionHead)."""
     return SimpleNamespace(nc=nc, nl=len(STRIDES), reg_max=reg_max, stride=torch.tensor(STRIDES, dtype=dtype))
 
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from utils.core import dist
-from utils.core.cores import set_cpu_threads
-from utils.core.errors import UserError
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.cores import set_cpu_threads
+from yolotrain.utils.core.errors import UserError
 from tests.helpers import ROOT, TORCHRUN, free_port, run, run_env
 
 

@@ -217,7 +217,7 @@ def channels_last_expected(monkeypatch) -> dict[str, bool]:
     """What utils/core/precision.channels_last_default picks when no flag is given (on Linux): True is NHWC."""
     import torch
 
-    from utils.core import precision
+    from yolotrain.utils.core import precision
 
     monkeypatch.setattr(precision.sys, "platform", "linux")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from models.heads.base import Head
-from models.yolo import Model
-from utils.core.boxes import postprocess
-from utils.core.dist import DistInfo
-from utils.core.errors import UserError
-from utils.data.geometry import Placement
-from utils.data.loader import create_dataloader
-from utils.eval.evaluate import EvalOptions, evaluate_model
-from utils.infer.backends import ModelMeta, TorchBackend, load_backend
-from utils.infer.export import ExportOptions, export_all
-from utils.infer.predict import PredictOptions, Predictor
+from yolotrain.models.heads.base import Head
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.boxes import postprocess
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.geometry import Placement
+from yolotrain.utils.data.loader import create_dataloader
+from yolotrain.utils.eval.evaluate import EvalOptions, evaluate_model
+from yolotrain.utils.infer.backends import ModelMeta, TorchBackend, load_backend
+from yolotrain.utils.infer.export import ExportOptions, export_all
+from yolotrain.utils.infer.predict import PredictOptions, Predictor
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 NAMES = ("a", "b", "c")
@@ -202,7 +202,7 @@ def test_model_meta_speaks_the_heads_family_words_and_reads_the_older_ones():
 
 
 def test_parity_pairs_end2end_rows_rather_than_positions():
-    from utils.infer.parity import FP32, compare_end2end
+    from yolotrain.utils.infer.parity import FP32, compare_end2end
 
     ref = DETS[:5].unsqueeze(0)
     tied = ref.clone()

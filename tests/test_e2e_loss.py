@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models.heads.dfl_loss import DFLLoss, DFLLossGains
-from models.heads.e2e_loss import E2ELoss, prog_weights, stal_side
-from models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets, pad_targets
+from yolotrain.models.heads.dfl_loss import DFLLoss, DFLLossGains
+from yolotrain.models.heads.e2e_loss import E2ELoss, prog_weights, stal_side
+from yolotrain.models.heads.tal import TaskAlignedAssigner, make_anchors, pack_targets, pad_targets
 from tests.helpers import ROOT
 from tests.test_dfl_loss import raw_preds, ref_ciou_torch
 from tests.test_tal import CASES, ref_ciou, ref_gts, ref_points, random_predictions
-from utils.core.hyp import Hyp
+from yolotrain.utils.core.hyp import Hyp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from tests.helpers import RESUME, ROOT, TORCHRUN, run_env
-from utils.engine.step import FP16_OVERFLOW_PATIENCE, Fp16Overflows, optimizer_step
-from utils.engine.optim import ModelEMA, smart_optimizer
-from utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.step import FP16_OVERFLOW_PATIENCE, Fp16Overflows, optimizer_step
+from yolotrain.utils.engine.optim import ModelEMA, smart_optimizer
+from yolotrain.utils.engine.recover import NanRecovery
 
 EMA_RANKS = str(ROOT / "tests" / "scripts" / "ema_ranks.py")
 
@@ -166,19 +166,19 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     import contextlib
 
     from yolotrain.app import train
-    from utils.core import dist
-    from utils.core.cli import ResolvedArgs
-    from utils.core.dist import DistInfo
-    from utils.core.watchdog import Watchdog
-    from utils.engine import loop as engine_loop
-    from utils.engine import step as engine_step
-    from utils.engine.config import Resume, resolve_config
-    from utils.engine.hooks import build_hooks
-    from utils.engine.optim import LRSchedule, Warmup
-    from utils.engine.preempt import StopRequest
-    from utils.engine.recover import NanRecovery
-    from utils.engine.setup import build_training
-    from utils.engine.step import Step, StepOptions
+    from yolotrain.utils.core import dist
+    from yolotrain.utils.core.cli import ResolvedArgs
+    from yolotrain.utils.core.dist import DistInfo
+    from yolotrain.utils.core.watchdog import Watchdog
+    from yolotrain.utils.engine import loop as engine_loop
+    from yolotrain.utils.engine import step as engine_step
+    from yolotrain.utils.engine.config import Resume, resolve_config
+    from yolotrain.utils.engine.hooks import build_hooks
+    from yolotrain.utils.engine.optim import LRSchedule, Warmup
+    from yolotrain.utils.engine.preempt import StopRequest
+    from yolotrain.utils.engine.recover import NanRecovery
+    from yolotrain.utils.engine.setup import build_training
+    from yolotrain.utils.engine.step import Step, StepOptions
 
     argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--imgsz", "64", "--batch-size", "4", "--workers",
             "0", "--optimizer", "SGD", "--noplots", "--no-amp", "--epochs", "1", "--seed", "1"]

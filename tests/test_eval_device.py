@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from models.yolo import Model
+from yolotrain.models.yolo import Model
 from tests.helpers import write_val_split
-from utils.core.boxes import non_max_suppression
-from utils.core.dist import DistInfo
-from utils.data.config import load_data_config, prepare_dataset
-from utils.data.loader import create_dataloader
-from utils.eval import evaluate
-from utils.eval.evaluate import EvalOptions, detections_to_host, evaluate_model
-from utils.infer.backends import TorchBackend
-from utils.weights.checkpoint import fp32_state_dict, now_iso, save_checkpoint, to_plain, versions
+from yolotrain.utils.core.boxes import non_max_suppression
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.data.config import load_data_config, prepare_dataset
+from yolotrain.utils.data.loader import create_dataloader
+from yolotrain.utils.eval import evaluate
+from yolotrain.utils.eval.evaluate import EvalOptions, detections_to_host, evaluate_model
+from yolotrain.utils.infer.backends import TorchBackend
+from yolotrain.utils.weights.checkpoint import fp32_state_dict, now_iso, save_checkpoint, to_plain, versions
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from utils.core.errors import UserError
-from utils.infer.backends import ModelMeta, load_backend
-from utils.infer.parity import FP32, compare_detections
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.infer.backends import ModelMeta, load_backend
+from yolotrain.utils.infer.parity import FP32, compare_detections
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def onnx_packages():
 def _export(argv: list[str]) -> list:
     """export.main in this process, leaving the project logger as it found it (module fixtures run it)."""
     from yolotrain.app import export
-    from utils.core.logging import LOGGER
+    from yolotrain.utils.core.logging import LOGGER
 
     saved = list(LOGGER.handlers), LOGGER.level, LOGGER.propagate
     try:
@@ -110,7 +110,7 @@ def _labels(folder: Path) -> dict[str, np.ndarray]:
 def test_detect_on_exports_finds_the_checkpoints_boxes(v5n_fixed, v8n_dynamic, tiny_v5n, tiny_v8n, tiny_data,
                                                        tmp_path, restore_logger):
     from yolotrain.app import detect
-    from utils.data.config import load_data_config
+    from yolotrain.utils.data.config import load_data_config
 
     source = load_data_config(tiny_data).val[0]
     runs = []
@@ -131,7 +131,7 @@ def test_detect_on_exports_finds_the_checkpoints_boxes(v5n_fixed, v8n_dynamic, t
 def test_a_mismatching_export_is_refused_and_not_kept(tiny_v5n, tmp_path, capsys, monkeypatch, onnx_packages,
                                                       restore_logger):
     from yolotrain.app import export
-    from utils.infer.export import DecodedOnly
+    from yolotrain.utils.infer.export import DecodedOnly
 
     weights = tmp_path / "best.pt"
     weights.write_bytes(Path(tiny_v5n).read_bytes())

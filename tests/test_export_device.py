@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.yolo import Model
-from utils.core.errors import UserError
-from utils.infer.backends import ModelMeta
-from utils.infer.export import DecodedOnly, ExportOptions, check_half_onnx, export_all, write_torchscript
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.infer.backends import ModelMeta
+from yolotrain.utils.infer.export import DecodedOnly, ExportOptions, check_half_onnx, export_all, write_torchscript
 
 CFGS = {"anchor-based": "models/yolov5n.yaml", "anchor-free": "models/yolov8n.yaml"}
 
@@ -111,7 +111,7 @@ def _onnx(tmp_path: Path) -> Path:
     """A dynamic-shape yolov8n (random weights, 3 classes) ONNX export with its metadata."""
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
-    from utils.infer.export import write_onnx
+    from yolotrain.utils.infer.export import write_onnx
 
     torch.manual_seed(0)
     model = Model(CFGS["anchor-free"], nc=3).fuse().eval()
@@ -123,7 +123,7 @@ def _onnx(tmp_path: Path) -> Path:
 
 
 def test_onnx_binds_io_only_for_a_cuda_provider_and_a_cuda_input(tmp_path, monkeypatch, one_thread):
-    from utils.infer.backends import OnnxBackend
+    from yolotrain.utils.infer.backends import OnnxBackend
 
     backend = OnnxBackend(_onnx(tmp_path), torch.device("cpu"))
     x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
@@ -143,7 +143,7 @@ def test_onnx_binds_io_only_for_a_cuda_provider_and_a_cuda_input(tmp_path, monke
 def test_onnx_threads_sleep_between_runs(tmp_path, one_thread):
     """ONNX Runtime's threads must not spin after a run: detect.py's letterbox, NMS and unletterbox run on
     the same cores between runs."""
-    from utils.infer.backends import OnnxBackend
+    from yolotrain.utils.infer.backends import OnnxBackend
 
     options = OnnxBackend(_onnx(tmp_path), torch.device("cpu")).session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -155,7 +155,7 @@ def test_onnx_on_cuda_through_iobinding_equals_the_host_path(tmp_path, monkeypat
     ort = pytest.importorskip("onnxruntime")
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDA provider here (onnxruntime-gpu)")
-    from utils.infer.backends import OnnxBackend
+    from yolotrain.utils.infer.backends import OnnxBackend
 
     path = _onnx(tmp_path)
     gpu, cpu = OnnxBackend(path, torch.device("cuda", 0)), OnnxBackend(path, torch.device("cpu"))

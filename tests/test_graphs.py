@@ -11,15 +11,15 @@ import sys
 import pytest
 import torch
 
-from models.heads.base import PackedCriterion
-from models.heads.tal import pack_targets
-from models.yolo import Model
+from yolotrain.models.heads.base import PackedCriterion
+from yolotrain.models.heads.tal import pack_targets
+from yolotrain.models.yolo import Model
 from tests.helpers import ROOT, TORCHRUN, run_env
-from utils.core.hyp import Hyp
-from utils.engine.config import RESUME_HARMLESS
-from utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problems, slots_for
-from utils.engine.step import optimizer_step
-from utils.engine.optim import ModelEMA
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.config import RESUME_HARMLESS
+from yolotrain.utils.engine.graphs import MIN_SLOTS, StepLoss, accumulation_problem, graphs_problems, slots_for
+from yolotrain.utils.engine.step import optimizer_step
+from yolotrain.utils.engine.optim import ModelEMA
 from yolotrain.app import train
 
 CUDA = torch.device("cuda")
@@ -90,7 +90,7 @@ def test_each_refused_combination_is_one_line_before_anything_is_written(case, t
 
 
 def test_graphed_steps_of_several_ranks_refuse_sync_bn():
-    from utils.engine.step import problems
+    from yolotrain.utils.engine.step import problems
 
     args = train.build_parser().parse_args(["--cuda-graphs", "--sync-bn", "--batch-size", "64"])
     found = problems(args, torch.device("cuda", 0), 2, lambda: 16)

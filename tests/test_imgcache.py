@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, TORCHRUN, run
-from utils.data import imgcache
-from utils.data.augment import resize_long_side
-from utils.core.errors import UserError
+from yolotrain.utils.data import imgcache
+from yolotrain.utils.data.augment import resize_long_side
+from yolotrain.utils.core.errors import UserError
 
 
 def _uncached(f: str, img_size: int, augment: bool):

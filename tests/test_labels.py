@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from utils.core.errors import UserError
-from utils.data.dataset import LoadImagesAndLabels
-from utils.data.images import read_image_bgr
-from utils.data.labelcache import load_or_scan
-from utils.data.labels import (ScanResult, format_summary, img2label_paths, require_usable, resolve_image_files,
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.images import read_image_bgr
+from yolotrain.utils.data.labelcache import load_or_scan
+from yolotrain.utils.data.labels import (ScanResult, format_summary, img2label_paths, require_usable, resolve_image_files,
                                scan_labels)
 
 NC = 3

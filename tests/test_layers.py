@@ -6,14 +6,10 @@ from pathlib import Path
 
 from tests.helpers import ROOT
 
-ORDER = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine",
-         "utils.infer", "yolotrain.app", "yolotrain")  # each may import those before it; infer skips engine
-ALLOWED = {"utils.core": {"utils.core"}, "models": {"utils.core", "models"},
-           "utils.weights": {"utils.core", "models", "utils.weights"},
-           "utils.data": {"utils.core", "models", "utils.weights", "utils.data"},
-           "utils.eval": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval"},
-           "utils.engine": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine"},
-           "utils.infer": {"utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.infer"}}
+_CHAIN = ("utils.core", "models", "utils.weights", "utils.data", "utils.eval", "utils.engine", "utils.infer")
+ORDER = (*(f"yolotrain.{n}" for n in _CHAIN), "yolotrain.app", "yolotrain")  # each may import those before it
+ALLOWED = {name: set(ORDER[:i + 1]) for i, name in enumerate(ORDER[:len(_CHAIN)])}
+ALLOWED["yolotrain.utils.infer"].discard("yolotrain.utils.engine")  # inference skips the training engine
 ALLOWED["yolotrain.app"] = set(ORDER[:-1])  # the tools: the whole library, never the API above them
 ALLOWED["yolotrain"] = set(ORDER)  # the Python API and python -m yolotrain
 CLIS = ("train", "val", "detect", "export", "tune")  # the root scripts: each only calls its tool's cli()
@@ -49,7 +45,9 @@ def _library_files() -> list[Path]:
 
 
 def _module(path: Path) -> str:
+    """The name a file is imported by: utils/ and models/ are yolotrain.utils and yolotrain.models."""
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts if parts[0] == "yolotrain" else ("yolotrain", *parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -63,7 +61,7 @@ def test_imports_point_down_the_layers():
 
 def test_the_leaf_layer_imports_nothing_of_the_project_but_itself():
     core = sorted((ROOT / "utils" / "core").glob("*.py"))
-    assert core and all(_layer(m) == "utils.core" for p in core for m, _ in _imports(p))
+    assert core and all(_layer(m) == "yolotrain.utils.core" for p in core for m, _ in _imports(p))
 
 
 def test_project_imports_sit_at_the_top_of_each_file():
@@ -74,7 +72,7 @@ def test_project_imports_sit_at_the_top_of_each_file():
 
 def test_inference_loads_weights_without_the_training_engine():
     infer = sorted((ROOT / "utils" / "infer").glob("*.py"))
-    engine = [f"{p.name} imports {m}" for p in infer for m, _ in _imports(p) if _layer(m) == "utils.engine"]
+    engine = [f"{p.name} imports {m}" for p in infer for m, _ in _imports(p) if _layer(m) == "yolotrain.utils.engine"]
     assert infer and engine == []
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tests.helpers import write_val_split
-from utils.core import cpu
-from utils.core.dist import DistInfo
-from utils.core.hyp import Hyp
-from utils.data.batch import BatchMemory
-from utils.data.loader import create_dataloader, worker_share
-from utils.data.pinning import PAGE_LOCKS, PageLocks
-from utils.data.shapes import generate_shapes
+from yolotrain.utils.core import cpu
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.batch import BatchMemory
+from yolotrain.utils.data.loader import create_dataloader, worker_share
+from yolotrain.utils.data.pinning import PAGE_LOCKS, PageLocks
+from yolotrain.utils.data.shapes import generate_shapes
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.heads.anchor_loss import AnchorLoss, AnchorLossGains, matches_to_device, smooth_bce
-from models.yolo import Model, de_parallel
+from yolotrain.models.heads.anchor_loss import AnchorLoss, AnchorLossGains, matches_to_device, smooth_bce
+from yolotrain.models.yolo import Model, de_parallel
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 IMG = 128  # level 0 is a 16x16 grid, stride 8

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from models.yolo import Model
-from utils.core.hyp import Hyp
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.hyp import Hyp
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGETS = torch.tensor([[0, 1, 0.3, 0.4, 0.2, 0.3], [1, 2, 0.6, 0.5, 0.5, 0.4], [1, 0, 0.2, 0.2, 0.1, 0.1]])

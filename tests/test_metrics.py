@@ -11,8 +11,8 @@ import torch
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from utils.eval import metrics
-from utils.eval.metrics import (
+from yolotrain.utils.eval import metrics
+from yolotrain.utils.eval.metrics import (
     ConfusionMatrix,
     DetectionMetrics,
     ImageStats,

@@ -12,9 +12,9 @@ import torch
 import yaml
 from torch import nn
 
-from models.blocks import C3, Conv
-from models.heads.anchor import Detect
-from models.yolo import Model, ModelInfo, de_parallel
+from yolotrain.models.blocks import C3, Conv
+from yolotrain.models.heads.anchor import Detect
+from yolotrain.models.yolo import Model, ModelInfo, de_parallel
 from tests.helpers import n_params, raises_user_error, randomize_bn, write_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,10 +14,10 @@ import torch
 import yaml
 from torch import nn
 
-from models.blocks import C2PSA, DFL, Attention, Bottleneck, C3k, C3k2, Conv, DWConv
-from models.heads.dfl import DFLDetect
-from models.yolo import Model
-from utils.core.hyp import Hyp
+from yolotrain.models.blocks import C2PSA, DFL, Attention, Bottleneck, C3k, C3k2, Conv, DWConv
+from yolotrain.models.heads.dfl import DFLDetect
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.hyp import Hyp
 from tests.helpers import n_params, raises_user_error, randomize_bn, write_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

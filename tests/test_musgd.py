@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from utils.core.hyp import Hyp
-from utils.engine.muon import MuSGD, newton_schulz
-from utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
-from utils.engine.recipe import RECIPES
-from utils.engine.recover import NanRecovery
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.muon import MuSGD, newton_schulz
+from yolotrain.utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
+from yolotrain.utils.engine.recipe import RECIPES
+from yolotrain.utils.engine.recover import NanRecovery
 
 LR, MOMENTUM, DECAY = 0.05, 0.9, 5e-4
 
@@ -248,7 +248,7 @@ def test_channels_last_weights_step_as_contiguous_ones():
 def test_musgd_gives_the_class_branches_three_times_the_lr_and_warms_their_biases_from_the_bias_lr():
     """Ultralytics 8.4's MuSGD recipe: the head's class branches (Head.class_branches) train at 3x the LR, in
     groups of their own kinds; the other optimizers and a plain MuSGD model keep the three groups."""
-    from models.yolo import Model
+    from yolotrain.models.yolo import Model
 
     hyp = Hyp(lr0=LR, momentum=MOMENTUM, warmup_bias_lr=0.1)
     choice = RECIPES["anchor-free"].optimizer("MuSGD", hyp, nc=3, n_images=64, batch_size=16, epochs=1)

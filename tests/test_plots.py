@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, run_env
-from utils.eval import plots
-from utils.core.logging import LOGGER
-from utils.eval.metrics import ConfusionMatrix, evaluate, match_image
-from utils.core.runs import ResultsCSV
+from yolotrain.utils.eval import plots
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.eval.metrics import ConfusionMatrix, evaluate, match_image
+from yolotrain.utils.core.runs import ResultsCSV
 
 NAMES = ["circle", "square", "triangle"]
 
@@ -87,8 +87,8 @@ def test_output_to_target_feeds_plot_images():
 
 
 def test_plot_images_and_labels_on_a_real_batch(tiny_data, tmp_path):
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.loader import create_dataloader
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.loader import create_dataloader
 
     data = load_data_config(tiny_data)
     prepare_dataset(data)
@@ -166,7 +166,7 @@ def test_plot_curves_many_classes_or_no_labels(tmp_path, nc, n_images):
 
 
 def test_plot_curves_without_curves_warns(tmp_path, warnings_logged):
-    from utils.eval.metrics import DetectionMetrics
+    from yolotrain.utils.eval.metrics import DetectionMetrics
 
     assert plots.plot_curves(DetectionMetrics(), tmp_path) == []
     assert warnings_logged
@@ -221,8 +221,8 @@ def test_import_and_use_leave_matplotlib_backend_alone(tmp_path):
     code = f"""
 import sys
 import numpy as np
-import utils.eval.plots as plots
-assert "matplotlib" not in sys.modules, "utils.eval.plots imported matplotlib at import time"
+import yolotrain.utils.eval.plots as plots
+assert "matplotlib" not in sys.modules, "yolotrain.utils.eval.plots imported matplotlib at import time"
 import matplotlib
 matplotlib.use("svg")
 plots.plot_confusion_matrix(np.eye(3, dtype=int), ["a", "b"], {str(tmp_path / 'cm.png')!r})

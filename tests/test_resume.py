@@ -131,7 +131,7 @@ def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_
     """CPU trains NHWC by default, and in bf16 autocast where bf16 is native; NCHW and the other
     precision (fp32 on such a CPU, bf16 on any other) are exact on their own, and a resume given
     no flags keeps the layout and precision the run started with."""
-    from utils.core.precision import cpu_has_native_bf16
+    from yolotrain.utils.core.precision import cpu_has_native_bf16
     amp = not cpu_has_native_bf16()
     nchw = ("--no-channels-last", "--amp" if amp else "--no-amp")
     straight = reference_run(*RESUME, *nchw)

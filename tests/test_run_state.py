@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from yolotrain.app import train
-from utils.core.cli import ResolvedArgs
-from utils.data.loader import TrainSampler
-from utils.engine.budget import TimeBudget
-from utils.engine.config import Resume, RunConfig, resolve_config
-from utils.engine.recipe import RECIPES
-from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, Warmup, smart_optimizer
-from utils.engine.recover import NanRecovery
-from utils.engine.state import RunState
+from yolotrain.utils.core.cli import ResolvedArgs
+from yolotrain.utils.data.loader import TrainSampler
+from yolotrain.utils.engine.budget import TimeBudget
+from yolotrain.utils.engine.config import Resume, RunConfig, resolve_config
+from yolotrain.utils.engine.recipe import RECIPES
+from yolotrain.utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, Warmup, smart_optimizer
+from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.state import RunState
 
 NB = 5  # batches per epoch of the fake run
 
@@ -156,9 +156,9 @@ def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
 
 def test_a_fresh_run_reads_its_weights_once(tmp_path, monkeypatch):
     """--weights is read when the arguments are merged, and that read serves the config and the build."""
-    import utils.engine.config as config
-    from models.parse import load_model_yaml
-    from utils.weights.checkpoint import WeightsSource
+    import yolotrain.utils.engine.config as config
+    from yolotrain.models.parse import load_model_yaml
+    from yolotrain.utils.weights.checkpoint import WeightsSource
 
     reads, yaml = [], load_model_yaml("yolov8n.yaml")[0]
     monkeypatch.setattr(config, "load_weights_source", lambda p: reads.append(p) or WeightsSource(Path(p), yaml, {}))
@@ -170,7 +170,7 @@ def test_a_fresh_run_reads_its_weights_once(tmp_path, monkeypatch):
 
 
 def test_a_resume_keeps_the_saved_run_folder_and_hyp(tmp_path):
-    import utils.engine.config as config
+    import yolotrain.utils.engine.config as config
     args = vars(train.build_parser().parse_args(["--hyp", "hyps/hyp.v8.yaml"]))
     saved = config.SavedRun(tmp_path / "exp" / "weights" / "last.pt", {"args": {**args, "amp": False}})
     cfg = resolve_config(Resume(ResolvedArgs(**{**args, "save_dir": str(tmp_path / "exp")}), saved), torch.device("cpu"))
@@ -197,7 +197,7 @@ def test_train_py_holds_no_checkpoint_keys_and_no_library_state():
 
 def test_a_resume_of_a_run_saved_before_a_flag_existed_takes_that_flags_given_value(tmp_path):
     """Saved arguments lack flags added since; the merged arguments still hold every flag of the parser."""
-    from utils.engine.config import resolve_resume
+    from yolotrain.utils.engine.config import resolve_resume
     saved = vars(train.build_parser().parse_args([]))
     for newer in ("deterministic", "hang_timeout", "amp"):
         saved.pop(newer)
@@ -209,7 +209,7 @@ def test_a_resume_of_a_run_saved_before_a_flag_existed_takes_that_flags_given_va
 
 
 def test_determinism_switches_torch_and_cudnn_together(monkeypatch):
-    from utils.core import precision
+    from yolotrain.utils.core import precision
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
@@ -227,7 +227,7 @@ def test_determinism_switches_torch_and_cudnn_together(monkeypatch):
 
 
 def test_the_memory_format_default_follows_device_and_precision(monkeypatch):
-    from utils.core import precision
+    from yolotrain.utils.core import precision
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert precision.channels_last_default(None, cpu) and precision.channels_last_default(None, cpu, half=True)
     assert precision.channels_last_default(None, cuda, half=True) and not precision.channels_last_default(None, cuda)
@@ -237,7 +237,7 @@ def test_the_memory_format_default_follows_device_and_precision(monkeypatch):
 
 
 def test_a_short_run_trains_about_half_its_epochs_in_mosaics():
-    from utils.engine.state import mosaic_off_from
+    from yolotrain.utils.engine.state import mosaic_off_from
 
     assert mosaic_off_from(10, 100) == 90 and mosaic_off_from(10, 20) == 10  # YOLOv5's last 10 epochs
     assert mosaic_off_from(10, 8) == 4 and mosaic_off_from(10, 7) == 3  # at most half, rounded up: 3 of 7

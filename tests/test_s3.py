@@ -17,10 +17,10 @@ import torch
 import yaml
 
 from tests.helpers import PYTHON, ROOT, free_port, run_env
-from utils.core.errors import UserError
-from utils.data import remote
-from utils.data.shardcache import BUDGET_ENV
-from utils.data.shards import ShardIndex
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data import remote
+from yolotrain.utils.data.shardcache import BUDGET_ENV
+from yolotrain.utils.data.shards import ShardIndex
 from yolotrain.app import shards
 
 s3fs = pytest.importorskip("s3fs", reason="pip install -r requirements-s3.txt")

@@ -9,9 +9,9 @@ import cv2
 import numpy as np
 import pytest
 
-from utils.data import shapes
-from utils.data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
-from utils.core.errors import UserError
+from yolotrain.utils.data import shapes
+from yolotrain.utils.data.shapes import GENERATORS, SHAPE_NAMES, generate_shapes, render_image
+from yolotrain.utils.core.errors import UserError
 
 
 def _digest(root: Path) -> dict[str, str]:

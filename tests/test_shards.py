@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from tests.helpers import train_here
-from utils.core.errors import UserError
-from utils.data.config import load_data_config
-from utils.data.dataset import LoadImagesAndLabels
-from utils.data.labels import LabelTable, img2label_paths, resolve_image_files, scan_labels
-from utils.core.hyp import Hyp
-from utils.data.imgcache import release_ram_caches
-from utils.data.loader import create_dataloader
-from utils.data.shardcache import BUDGET_ENV, ShardCache
-from utils.data.shards import ShardIndex
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.config import load_data_config
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.labels import LabelTable, img2label_paths, resolve_image_files, scan_labels
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.imgcache import release_ram_caches
+from yolotrain.utils.data.loader import create_dataloader
+from yolotrain.utils.data.shardcache import BUDGET_ENV, ShardCache
+from yolotrain.utils.data.shards import ShardIndex
 from yolotrain.app import shards
 
 

@@ -8,13 +8,13 @@ import cv2
 import numpy as np
 import torch
 
-from models.heads.base import Ranks
-from models.yolo import Model
-from utils.core.dist import DistInfo
-from utils.core.hyp import Hyp
-from utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
-from utils.data.loader import LoaderSpec, build_loader
-from utils.data.split import Missing, Scan, SplitSource, open_split
+from yolotrain.models.heads.base import Ranks
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
+from yolotrain.utils.data.loader import LoaderSpec, build_loader
+from yolotrain.utils.data.split import Missing, Scan, SplitSource, open_split
 
 
 # ---------------------------------------------------------------- a third source, in memory (under 60 lines)
@@ -60,9 +60,9 @@ def _shapes(n: int, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def test_a_source_of_ones_own_trains_an_epoch_through_the_normal_loader(one_thread):
-    from utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
-    from utils.engine.recover import NanRecovery
-    from utils.engine.step import Step, StepOptions, StepPlan
+    from yolotrain.utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
+    from yolotrain.utils.engine.recover import NanRecovery
+    from yolotrain.utils.engine.step import Step, StepOptions, StepPlan
 
     source = MemorySource(*_shapes(16))
     assert isinstance(source, SplitSource) and open_split(source) is source  # given as it is, never sniffed
@@ -90,8 +90,8 @@ def test_a_source_of_ones_own_trains_an_epoch_through_the_normal_loader(one_thre
 
 def test_the_split_kind_is_decided_once_where_the_data_yaml_is_read(tiny_data, tmp_path):
     """The data config holds each split's source; a folder and a shard index made from it scan alike."""
-    from utils.data.config import load_data_config, prepare_dataset
-    from utils.data.split import ImageFiles, ShardSplit
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.split import ImageFiles, ShardSplit
     from yolotrain.app import shards
 
     data = load_data_config(tiny_data)

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from tests.helpers import NAN_GRAD, PYTHON, RESUME, assert_same_run, load, out, run, run_env, run_train, train_here
-from utils.core.dist import DistInfo
-from utils.data.loader import TrainSampler
-from utils.engine.budget import TimeBudget
-from utils.engine.config import resolve_resume
-from utils.engine.optim import LRSchedule, ModelEMA, Warmup, lr_lambda, smart_optimizer
-from utils.engine.recover import NanRecovery
-from utils.engine.state import RunState
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.data.loader import TrainSampler
+from yolotrain.utils.engine.budget import TimeBudget
+from yolotrain.utils.engine.config import resolve_resume
+from yolotrain.utils.engine.optim import LRSchedule, ModelEMA, Warmup, lr_lambda, smart_optimizer
+from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.state import RunState
 
 
 
@@ -246,7 +246,7 @@ def test_resuming_a_time_budget_run_keeps_its_refitted_epoch_count(tmp_path):
 def test_a_listener_s_request_ends_the_run_after_that_epoch(tiny_data, tmp_path, one_thread, restore_logger):
     """TrainEvent.request_stop (tune.py's pruner asks through it): the run ends after the epoch it was asked in,
     its checkpoint written, as a normal end."""
-    from utils.core.callbacks import Callbacks
+    from yolotrain.utils.core.callbacks import Callbacks
 
     callbacks = Callbacks()
     callbacks.add("on_fit_epoch_end", lambda e: e.request_stop("enough") if e.epoch == 0 else None)

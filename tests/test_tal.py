@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.heads.tal import (TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pad_targets,
+from yolotrain.models.heads.tal import (TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pad_targets,
                               xywh2xyxy)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

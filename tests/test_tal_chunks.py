@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.heads import tal
-from models.heads.chunks import cat_in_chunks
-from models.heads.tal import TaskAlignedAssigner, bbox_ciou, dist2bbox, make_anchors, pad_targets
+from yolotrain.models.heads import tal
+from yolotrain.models.heads.chunks import cat_in_chunks
+from yolotrain.models.heads.tal import TaskAlignedAssigner, bbox_ciou, dist2bbox, make_anchors, pad_targets
 
 STRIDES = (8.0, 16.0, 32.0)
 HW = (64, 104)  # 8x13 + 4x7 + 2x4 = 140 anchors: not a multiple of any SIMD width

@@ -18,13 +18,13 @@ import pytest
 
 from yolotrain.app import train
 from tests.helpers import ROOT, run_env
-from utils.core.callbacks import Callbacks
-from utils.core.dist import DistInfo
-from utils.core.errors import Preempted, UserError
-from utils.core.logging import LOGGER
-from utils.engine.track import attach_trackers, check_packages
-from utils.engine.track.mlflow import UNSENT
-from utils.engine.track.sender import Rejected, Sender
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import Preempted, UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.track import attach_trackers, check_packages
+from yolotrain.utils.engine.track.mlflow import UNSENT
+from yolotrain.utils.engine.track.sender import Rejected, Sender
 
 mlflow = pytest.importorskip("mlflow")  # requirements-track.txt (CI installs it)
 pytest.importorskip("tensorboard")

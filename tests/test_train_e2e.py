@@ -106,7 +106,7 @@ def test_bad_data_yaml_single_process_exits_1_without_traceback(tmp_path):
 
 def test_users_own_dataset_trains_unchanged(tiny_data, tmp_path, capsys, restore_logger):
     """A plain YOLO dataset: absolute path, a .txt list for train, a folder for val, names as a list."""
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
     prepare_dataset(load_data_config(tiny_data))  # make sure the images exist
     src = tiny_data.parent / "shapes"
     listing = tmp_path / "train.txt"

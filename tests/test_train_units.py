@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.heads.anchor_loss import AnchorLossGains
-from utils.core.hyp import Hyp
-from utils.engine.loop import rescale_batch
-from utils.engine.config import micro_step_images, resolve_resume
-from utils.engine.recipe import RECIPES
+from yolotrain.models.heads.anchor_loss import AnchorLossGains
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.loop import rescale_batch
+from yolotrain.utils.engine.config import micro_step_images, resolve_resume
+from yolotrain.utils.engine.recipe import RECIPES
 from yolotrain.app.train import build_parser
 
 
@@ -30,7 +30,7 @@ def test_loss_gains_scale_with_layers_classes_and_image_size():
 
 def test_resumed_lr_schedule_matches_the_uninterrupted_one():
     """Resuming at epoch s must give every later epoch the LR the uninterrupted run gives it."""
-    from utils.engine.optim import LRSchedule, Warmup
+    from yolotrain.utils.engine.optim import LRSchedule, Warmup
 
     def fresh():
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
@@ -63,9 +63,9 @@ def test_resumed_lr_schedule_matches_the_uninterrupted_one():
     ("yolov10n.yaml", "end-to-end", "hyp.v8.yaml", "tune-space.v8.yaml"),
 ])
 def test_each_model_yaml_gets_its_family_recipe(model, family, hyp, space):
-    from models.parse import load_model_yaml
-    from models.registry import head_class
-    from utils.engine.recipe import recipe_for
+    from yolotrain.models.parse import load_model_yaml
+    from yolotrain.models.registry import head_class
+    from yolotrain.utils.engine.recipe import recipe_for
 
     recipe = recipe_for(model)
     assert recipe.family == family == head_class(load_model_yaml(model)[0]).family
@@ -75,14 +75,14 @@ def test_each_model_yaml_gets_its_family_recipe(model, family, hyp, space):
 def test_a_run_reads_its_model_yaml_once(monkeypatch):
     """resolve_model reads the yaml; the recipe and the builder take what it read (with its file named in
     messages)."""
-    import models.parse
-    from models.yolo import Model
-    from utils.engine.config import resolve_model
+    import yolotrain.models.parse
+    from yolotrain.models.yolo import Model
+    from yolotrain.utils.engine.config import resolve_model
     from yolotrain.app import train
 
     reads = []
-    real = models.parse.yaml.safe_load
-    monkeypatch.setattr(models.parse.yaml, "safe_load", lambda text: reads.append(1) or real(text))
+    real = yolotrain.models.parse.yaml.safe_load
+    monkeypatch.setattr(yolotrain.models.parse.yaml, "safe_load", lambda text: reads.append(1) or real(text))
     source = resolve_model(train.build_parser().parse_args(["--cfg", "yolov8n.yaml"]))
     model = Model(source.yaml, nc=2, label=source.label)
     assert len(reads) == 1 and source.recipe.family == "anchor-free" and model.source.endswith("yolov8.yaml")
@@ -90,7 +90,7 @@ def test_a_run_reads_its_model_yaml_once(monkeypatch):
 
 
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
-    from utils.engine.recipe import AUTO_SGD_ITERATIONS, RECIPES, SHORT_LR_GAIN, SHORT_LR_MAX
+    from yolotrain.utils.engine.recipe import AUTO_SGD_ITERATIONS, RECIPES, SHORT_LR_GAIN, SHORT_LR_MAX
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
     yolov5 = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
@@ -122,7 +122,7 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     """A global batch above 16 is cut into micro-steps of 16 images while each rank's part keeps 8 images;
     what a step sees beyond 16 (many ranks, a small batch per rank) raises the AdamW LR in proportion, to at
     most 0.004. The choice is a function of the resolved config alone."""
-    from utils.engine.recipe import RECIPES, SHORT_LR_MAX, steps_per_batch
+    from yolotrain.utils.engine.recipe import RECIPES, SHORT_LR_MAX, steps_per_batch
     hyp = Hyp()
 
     def auto(batch: int, ranks: int = 1, family: str = "anchor-free", nc: int = 11):
@@ -146,8 +146,8 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
 def test_micro_steps_are_on_for_a_cpu_and_off_on_cuda_unless_asked():
     """--micro-steps auto resolves by the device (a CUDA step has a fixed cost, a CPU step costs its images);
     off, a short run's large batch is one AdamW step at the linear lr gain, which the reason names."""
-    from utils.engine.config import micro_steps_default
-    from utils.engine.recipe import RECIPES
+    from yolotrain.utils.engine.config import micro_steps_default
+    from yolotrain.utils.engine.recipe import RECIPES
     assert micro_steps_default("auto", torch.device("cpu")) == "on"
     assert micro_steps_default("auto", torch.device("cuda", 0)) == "off"
     assert micro_steps_default("on", torch.device("cuda", 0)) == "on"
@@ -194,7 +194,7 @@ def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
     """Micro-steps of 16 at batch 64: 800 images take 50 steps an epoch, the short last batch of 32 two of 16,
     and the warmup ticks run through them one for one as the batch-16 run's batches; without micro-steps a
     tick is a batch."""
-    from utils.engine.step import StepPlan
+    from yolotrain.utils.engine.step import StepPlan
     plan = StepPlan.of(64, 1, 16, 4, 800)
     assert (plan.parts, plan.part, plan.ticks_per_epoch, plan.batches_per_epoch) == (4, 16, 50, 13)
     assert (plan.accumulate, plan.images_per_step, plan.images_per_tick) == (1, 16, 16)
@@ -213,7 +213,7 @@ def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
 def test_accumulation_follows_the_chosen_step_size():
     """SGD gathers 64 images a step, the short run's AdamW 16; the plan and the summary read images per step from
     one place."""
-    from utils.engine.step import StepPlan, accumulate_steps
+    from yolotrain.utils.engine.step import StepPlan, accumulate_steps
     assert [accumulate_steps(b, 64) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
     assert [accumulate_steps(b, 16) for b in (1, 4, 8, 16, 64)] == [16, 4, 2, 1, 1]
     sgd = StepPlan.of(16, 1, 64, 1, 800)
@@ -230,8 +230,8 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
 
     from pathlib import Path
 
-    from utils.engine.recipe import RECIPES
-    from utils.engine.state import SavedRun
+    from yolotrain.utils.engine.recipe import RECIPES
+    from yolotrain.utils.engine.state import SavedRun
     choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10)
     assert SavedRun(Path("last.pt"), {"optimizer_choice": asdict(choice)}).optimizer_choice == choice
     saved_before = {k: v for k, v in asdict(choice).items() if k != "nominal_batch"}  # runs before the short-run step
@@ -241,7 +241,7 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
 
 def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
     from yolotrain.app import train
-    from utils.core.errors import UserError
+    from yolotrain.utils.core.errors import UserError
 
     path = tmp_path / "yolov5s.pt"
     torch.save({"model_yaml": {}, "model": {}, "converted_from": {"package": "yolov5"}}, path)
@@ -253,7 +253,7 @@ def test_resume_of_a_converted_foreign_checkpoint_points_to_weights(tmp_path):
 def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):
     """--amp unset: on for CUDA, and on CPU only where bf16 is native hardware (else emulated and
     slower); a run resumed from before the flag existed keeps its fp32 CPU math."""
-    from utils.core import precision
+    from yolotrain.utils.core import precision
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for native in (True, False):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
@@ -265,7 +265,7 @@ def test_amp_default_follows_the_device_and_a_flag_wins(monkeypatch):
 
 
 def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
-    from utils.engine.optim import warmup_iters
+    from yolotrain.utils.engine.optim import warmup_iters
 
     assert warmup_iters(3.0, 63, 30) == 189  # 30 epochs or more: YOLOv5's 3 epochs
     assert warmup_iters(3.0, 63, 100) == 189
@@ -283,7 +283,7 @@ def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
 def test_the_summary_says_how_a_batch_becomes_steps_and_why_and_names_an_unused_flag():
     """One line per run on how a batch becomes optimizer steps on this device and why; a --micro-steps the run's
     optimizer does not use is said at start, never silently ignored (an auto one, resolved by the device, is not)."""
-    from utils.engine.step import StepPlan, explain
+    from yolotrain.utils.engine.step import StepPlan, explain
     hyp, rule = Hyp(), RECIPES["anchor-free"]
     short = rule.optimizer("auto", hyp, nc=80, n_images=800, batch_size=64, epochs=30, step_images=16)
     line, unused = explain(StepPlan.of(64, 1, 16, short.steps_per_batch, 800), short, "on", by_device=True)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.helpers import PYTHON, ROOT, TORCHRUN, run_env
-from utils.core.errors import UserError
-from utils.core.hyp import load_hyp
-from utils.engine.recipe import RECIPES
-from utils.weights.checkpoint import load_checkpoint
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import load_hyp
+from yolotrain.utils.engine.recipe import RECIPES
+from yolotrain.utils.weights.checkpoint import load_checkpoint
 from yolotrain.app.search.resume import replay
 from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import retried_from
@@ -36,7 +36,7 @@ TRAIN = ["--cfg", "models/yolov5n.yaml", "--imgsz", "64", "--epochs", "1", "--ba
 @pytest.fixture(scope="module")
 def data(tiny_data) -> Path:
     """The tiny set generated once, before workers in parallel read it."""
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
 
     prepare_dataset(load_data_config(tiny_data))
     return tiny_data

@@ -62,7 +62,7 @@ def _read_labels(folder: Path) -> dict[str, list[list[str]]]:
 
 @pytest.mark.dist
 def test_world_sizes_give_identical_metrics_and_files(val_runs):
-    from utils.data.loader import InferenceSampler
+    from yolotrain.utils.data.loader import InferenceSampler
 
     assert [len(InferenceSampler(8, 4, r, 3)) for r in range(3)] == [0, 4, 4]  # an empty rank
     project = val_runs[1][1].parent
@@ -198,8 +198,8 @@ def test_task_speed_times_at_yolov5_thresholds_and_saves_nothing(weights, tiny_d
 
 def test_run_folder_rules(tmp_path):
     from yolotrain.app import val
-    from utils.core.dist import DistInfo
-    from utils.core.errors import UserError
+    from yolotrain.utils.core.dist import DistInfo
+    from yolotrain.utils.core.errors import UserError
 
     opt = Namespace(project=str(tmp_path / "runs"), name="exp", exist_ok=False, save_txt=False, save_json=False,
                     noplots=True)
@@ -216,8 +216,8 @@ def test_run_folder_rules(tmp_path):
 
 def test_pick_run_dir_creates_only_when_asked(tmp_path):
     """val.py picks its folder before it knows it will write; detect.py writes from every rank at once."""
-    from utils.core.dist import DistInfo
-    from utils.core.runs import pick_run_dir
+    from yolotrain.utils.core.dist import DistInfo
+    from yolotrain.utils.core.runs import pick_run_dir
 
     assert pick_run_dir(tmp_path / "runs", "exp", False, DistInfo()) == tmp_path / "runs" / "exp"
     assert not (tmp_path / "runs").exists()
@@ -281,10 +281,10 @@ def _replay_outputs(loader, rng: np.random.Generator, nc: int = 3, per_image: in
 
 def test_pycocotools_agrees_exactly_with_a_strong_detector_and_score_ties(tmp_path, one_thread):
     """A detector with mAP far from 0, score ties across images and a rect order unlike id order."""
-    from utils.core.dist import DistInfo
-    from utils.data.loader import create_dataloader
-    from utils.eval.evaluate import EvalOptions, evaluate_model
-    from utils.eval.outputs import save_json
+    from yolotrain.utils.core.dist import DistInfo
+    from yolotrain.utils.data.loader import create_dataloader
+    from yolotrain.utils.eval.evaluate import EvalOptions, evaluate_model
+    from yolotrain.utils.eval.outputs import save_json
 
     rng = np.random.default_rng(0)
     images = _make_dataset(tmp_path / "ds", rng)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PYTHON, RESUME, ROOT, TORCHRUN, run, run_env, run_train, wait_until_gone
-from utils.core import watchdog
-from utils.core.errors import EXIT_HUNG, EXIT_PREEMPTED
-from utils.core.watchdog import Watchdog
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.errors import EXIT_HUNG, EXIT_PREEMPTED
+from yolotrain.utils.core.watchdog import Watchdog
 
 SCRIPTS = ROOT / "tests" / "scripts"
 HANG_MIN = 0.2  # --hang-timeout in the training runs: above any quiet stretch of a tiny run on a busy CPU
@@ -44,7 +44,7 @@ def test_the_exit_code_is_its_own():
 def test_a_stalled_phase_names_itself_and_its_rank_then_exits():
     p, seconds = _python("""
         import time
-        from utils.core.watchdog import Watchdog
+        from yolotrain.utils.core.watchdog import Watchdog
         with Watchdog(rank=3, timeout_s=0.5) as watch:
             with watch.phase("step", "epoch 1, batch 2"), watch.phase("loader"):
                 time.sleep(30)
@@ -61,8 +61,8 @@ def test_a_stalled_phase_names_itself_and_its_rank_then_exits():
 def test_progress_keeps_it_alive_and_stop_ends_the_thread():
     p, _ = _python("""
         import threading, time
-        from utils.core import watchdog
-        from utils.core.watchdog import Watchdog
+        from yolotrain.utils.core import watchdog
+        from yolotrain.utils.core.watchdog import Watchdog
         with Watchdog(rank=0, timeout_s=1.0) as watch:
             for _ in range(20):  # 2 s of beats, twice the timeout
                 time.sleep(0.1)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from models.blocks import SPPF
-from models.heads.e2e import E2EDetect, topk_dets
-from models.parse import load_model_yaml
-from models.registry import head_class
-from models.yolo import Model
-from utils.core.errors import UserError
+from yolotrain.models.blocks import SPPF
+from yolotrain.models.heads.e2e import E2EDetect, topk_dets
+from yolotrain.models.parse import load_model_yaml
+from yolotrain.models.registry import head_class
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.errors import UserError
 from tests.helpers import assert_fused_copy_matches
 
 ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
@@ -164,7 +164,7 @@ def test_ultralytics_yolo26_checkpoint_imports_exactly(tmp_path, monkeypatch, on
     """A YOLO26 file pickled the way Ultralytics 8.4 does (stand-in classes, fp16; see tests/test_convert.py)
     converts with every tensor, both branches included, and gives the same outputs."""
     from tests import test_convert as tc
-    from utils.weights.checkpoint import load_checkpoint, load_model
+    from yolotrain.utils.weights.checkpoint import load_checkpoint, load_model
 
     monkeypatch.setitem(tc.UL_CLASSES, "E2EDetect", "modules.head.Detect")
     torch.manual_seed(0)

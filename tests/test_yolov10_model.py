@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from models.blocks import DFL, Conv
-from models.blocks_v10 import CIB, PSA, C2fCIB, RepVGGDW, SCDown
-from models.heads.e2e import E2EDetect, V10Detect, V10Loss
-from models.heads.e2e_loss import E2ELoss
-from models.heads.tal import pack_targets
-from models.parse import load_model_yaml
-from models.registry import head_class
-from models.yolo import Model
+from yolotrain.models.blocks import DFL, Conv
+from yolotrain.models.blocks_v10 import CIB, PSA, C2fCIB, RepVGGDW, SCDown
+from yolotrain.models.heads.e2e import E2EDetect, V10Detect, V10Loss
+from yolotrain.models.heads.e2e_loss import E2ELoss
+from yolotrain.models.heads.tal import pack_targets
+from yolotrain.models.parse import load_model_yaml
+from yolotrain.models.registry import head_class
+from yolotrain.models.yolo import Model
 from tests.helpers import assert_fused_copy_matches, randomize_bn
-from utils.core.hyp import Hyp
+from yolotrain.utils.core.hyp import Hyp
 
 ULTRALYTICS = {  # scale: (parameters at nc=80, GFLOPs at 640)
     "n": (2_775_520, 8.80), "s": (8_128_272, 25.23), "m": (16_576_768, 64.61),
@@ -126,7 +126,7 @@ def test_ultralytics_yolov10_checkpoint_imports_exactly(tmp_path, monkeypatch, o
     """A YOLOv10 file pickled the way Ultralytics does (stand-in classes at its paths, fp16, its yaml with
     ``v10Detect`` and scale; see tests/test_convert.py) converts with every tensor and gives the same outputs."""
     from tests import test_convert as tc
-    from utils.weights.checkpoint import load_checkpoint, load_model
+    from yolotrain.utils.weights.checkpoint import load_checkpoint, load_model
 
     monkeypatch.setitem(tc.UL_CLASSES, "V10Detect", "modules.head.v10Detect")
     for name in ("SCDown", "RepVGGDW", "CIB", "C2fCIB", "PSA"):

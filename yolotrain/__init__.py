@@ -14,27 +14,35 @@ The names below are imported on first use (PEP 562), so a process that runs one 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
+# The library is yolotrain.utils and yolotrain.models in both forms, never top-level names a YOLOv5 checkout on
+# sys.path would shadow. An installed package holds them inside this folder; a checkout keeps them at its top
+# (python train.py, utils/, models/), so there the package also looks one folder up (docs/architecture.md,
+# "One source tree, two forms").
+if not os.path.isdir(os.path.join(os.path.dirname(__file__), "utils")):
+    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 if TYPE_CHECKING:
-    from utils.core.callbacks import CallbackError
-    from utils.core.errors import Preempted, UserError
-    from utils.data.convert import convert_coco, convert_voc
-    from utils.engine.state import TrainResult
-    from utils.infer.results import Results
+    from yolotrain.utils.core.callbacks import CallbackError
+    from yolotrain.utils.core.errors import Preempted, UserError
+    from yolotrain.utils.data.convert import convert_coco, convert_voc
+    from yolotrain.utils.engine.state import TrainResult
+    from yolotrain.utils.infer.results import Results
     from yolotrain.model import YOLO
     from yolotrain.results import ValResult
 
 _HOMES = {
     "YOLO": "yolotrain.model",
-    "Results": "utils.infer.results",
+    "Results": "yolotrain.utils.infer.results",
     "ValResult": "yolotrain.results",
-    "TrainResult": "utils.engine.state",
-    "UserError": "utils.core.errors",
-    "CallbackError": "utils.core.callbacks",
-    "Preempted": "utils.core.errors",
-    "convert_coco": "utils.data.convert",
-    "convert_voc": "utils.data.convert",
+    "TrainResult": "yolotrain.utils.engine.state",
+    "UserError": "yolotrain.utils.core.errors",
+    "CallbackError": "yolotrain.utils.core.callbacks",
+    "Preempted": "yolotrain.utils.core.errors",
+    "convert_coco": "yolotrain.utils.data.convert",
+    "convert_voc": "yolotrain.utils.data.convert",
 }
 
 __all__ = list(_HOMES)

@@ -1,4 +1,5 @@
-"""``python -m yolotrain <tool> [flags]``: every tool from one entry point, the same as its script.
+"""``python -m yolotrain <tool> [flags]`` (``yolotrain <tool>`` installed): every tool from one entry point, the same
+as its script.
 
     python -m yolotrain train --data my.yaml          # = python train.py --data my.yaml
     python -m yolotrain weights yolov5s.pt            # YOLOv5/Ultralytics .pt -> yolotrain .pt
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -29,9 +31,14 @@ def tool_cli(tool: str) -> Callable[[list[str] | None], int]:
     return importlib.import_module(f"yolotrain.app.{tool}").cli
 
 
+def command() -> str:
+    """How the user started this: the installed ``yolotrain`` console command or ``python -m yolotrain``."""
+    return "yolotrain" if os.path.basename(sys.argv[0]) == "yolotrain" else "python -m yolotrain"
+
+
 def usage() -> str:
-    lines = ["usage: python -m yolotrain <tool> [flags]   (python -m yolotrain <tool> --help for its flags)", "",
-             "tools:"]
+    me = command()
+    lines = [f"usage: {me} <tool> [flags]   ({me} <tool> --help for its flags)", "", "tools:"]
     return "\n".join(lines + [f"  {name:<9} {text}" for name, text in TOOLS.items()])
 
 
@@ -42,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     tool, rest = argv[0], argv[1:]
     if tool not in TOOLS:
-        print(f"{usage()}\n\npython -m yolotrain: unknown tool '{tool}'", file=sys.stderr)
+        print(f"{usage()}\n\n{command()}: unknown tool '{tool}'", file=sys.stderr)
         return 2
-    sys.argv = [f"python -m yolotrain {tool}", *rest]  # argparse's prog, in --help and errors
+    sys.argv = [f"{command()} {tool}", *rest]  # argparse's prog, in --help and errors
     code = tool_cli(tool)(rest)
     return 0 if code is None else code  # torch's @record returns None for argparse's --help exit
 

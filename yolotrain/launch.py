@@ -1,6 +1,7 @@
 """Data-parallel training from Python: the ranks are started by torch's own elastic launcher (what
-torchrun runs), each one ``python train.py`` with the same arguments, so a run from the API is the
-torchrun run, its failures included. No script is written anywhere: the entry point is train.py.
+torchrun runs), each one ``python train.py`` (a checkout) or ``python -m yolotrain train`` (an installed package)
+with the same arguments, so a run from the API is the torchrun run, its failures included. No script is written
+anywhere.
 
 Rank 0 hands its TrainResult back through a json file named in the ranks' environment
 (utils/engine/state.RESULT_FILE_ENV); a rank's UserError reaches the launcher through torchelastic's
@@ -20,18 +21,22 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from utils.core.errors import EXIT_PREEMPTED, Preempted, UserError
-from utils.core.fileio import ROOT
-from utils.engine.state import RESULT_FILE_ENV, TrainResult
+from yolotrain.utils.core.errors import EXIT_PREEMPTED, Preempted, UserError
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT
+from yolotrain.utils.engine.state import RESULT_FILE_ENV, TrainResult
+
+# what each rank runs: the checkout's script (found wherever the caller's sys.path came from), or the package's
+TRAIN_ENTRY = (str(ROOT / "train.py"),) if CHECKOUT else ("-m", "yolotrain", "train")
 
 
 def launch_training(argv: list[str], nproc: int) -> TrainResult:
-    """``torchrun --standalone --nproc_per_node nproc train.py *argv``, in-process; returns rank 0's result."""
+    """``torchrun --standalone --nproc_per_node nproc train.py *argv`` in-process (``-m yolotrain train`` when
+    installed); returns rank 0's result."""
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"yolotrain-{uuid.uuid4()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
     with tempfile.TemporaryDirectory(prefix="yolotrain-result-") as tmp, _env(RESULT_FILE_ENV, str(Path(tmp) / "r.json")):
         try:
-            elastic_launch(config, sys.executable)(str(ROOT / "train.py"), *argv)
+            elastic_launch(config, sys.executable)(*TRAIN_ENTRY, *argv)
         except ChildFailedError as e:
             raise _as_user_error(e) from None
         result = Path(tmp) / "r.json"

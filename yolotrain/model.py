@@ -18,17 +18,18 @@ from yolotrain.app import export as export_cli
 from yolotrain.app import train as train_cli
 from yolotrain.app import tune as tune_cli
 from yolotrain.app import val as val_cli
-from models.parse import MODELS_DIR, load_model_yaml
-from models.yolo import Model
-from utils.core import dist
-from utils.core.callbacks import Callbacks
-from utils.core.errors import UserError, did_you_mean
-from utils.data.sources import resolve_sources
-from utils.engine.state import TrainResult
-from utils.infer.backends import EXPORT_SUFFIXES
-from utils.infer.loop import ShardReport, VideoSinks, predict_batches, write_prediction
-from utils.infer.results import Results, as_results, predict_batch_end
-from utils.weights.checkpoint import load_model
+from yolotrain.models.parse import MODELS_DIR, load_model_yaml
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.data.sources import resolve_sources
+from yolotrain.utils.engine.state import TrainResult
+from yolotrain.utils.infer.backends import EXPORT_SUFFIXES
+from yolotrain.utils.infer.loop import ShardReport, VideoSinks, predict_batches, write_prediction
+from yolotrain.utils.infer.results import Results, as_results, predict_batch_end
+from yolotrain.utils.weights.checkpoint import load_model
 from yolotrain.launch import launch_training
 from yolotrain.options import ALIASES, option_flags, parse, to_argv
 from yolotrain.results import ValResult
@@ -92,8 +93,8 @@ class YOLO:
         own, known = option_flags(parser), {**option_flags(train_parser), **option_flags(parser), **ALIASES}
         for name in options:
             if str(name).replace("-", "_") not in known:
-                raise UserError(f"tune: unknown option '{name}'.{did_you_mean(str(name), known)} See `python tune.py "
-                                "--help` and `python train.py --help`")
+                raise UserError(f"tune: unknown option '{name}'.{did_you_mean(str(name), known)} See "
+                                f"`{tool_command('tune')} --help` and `{tool_command('train')} --help`")
         mine = {k: v for k, v in options.items() if str(k).replace("-", "_") in own}
         rest = {k: v for k, v in options.items() if k not in mine}
         opt = parse(parser, to_argv(parser, mine, "tune.py"))

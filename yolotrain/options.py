@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.errors import UserError, did_you_mean
 
 # Ultralytics' names for options the CLIs spell YOLOv5's way: accepted as well, so notebooks carry over.
 ALIASES = {"batch": "batch_size", "conf": "conf_thres", "iou": "iou_thres"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from utils.eval.evaluate import EvalResult
+from yolotrain.utils.eval.evaluate import EvalResult
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ needs_yolov5 = pytest.mark.skipif(YOLOV5_PYTHON is None,
 def tiny_abs(tiny_data) -> Path:
     """tiny_data's dataset under a yaml with an absolute ``path:``: Ultralytics resolves a relative one against
     its own datasets folder, not the yaml's, so the loader benches that hand it the yaml need this one."""
-    from utils.data.config import load_data_config, prepare_dataset
+    from yolotrain.utils.data.config import load_data_config, prepare_dataset
 
     prepare_dataset(load_data_config(tiny_data))
     text = tiny_data.read_text().replace("path: shapes", f"path: {tiny_data.parent / 'shapes'}")
@@ -232,8 +232,8 @@ def fresh_weights(tmp_path_factory, one_thread) -> list[Path]:
     """Untrained checkpoints, no training: an end-to-end head (yolo26n) and an NMS one (yolov8n), 6 classes."""
     import torch
 
-    from models.yolo import Model
-    from utils.weights.checkpoint import fp32_state_dict, save_checkpoint, to_plain
+    from yolotrain.models.yolo import Model
+    from yolotrain.utils.weights.checkpoint import fp32_state_dict, save_checkpoint, to_plain
 
     folder, paths = tmp_path_factory.mktemp("fresh"), []
     for name in ("yolo26n", "yolov8n"):

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.heads.anchor_loss import AnchorLoss, AnchorLossGains
-from models.heads.base import Head, decode_outside_autocast, ramp
-from utils.core.errors import UserError
-from utils.core.hyp import Hyp
-from utils.core.logging import LOGGER
+from yolotrain.models.heads.anchor_loss import AnchorLoss, AnchorLossGains
+from yolotrain.models.heads.base import Head, decode_outside_autocast, ramp
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.logging import LOGGER
 
 GRID_CACHE = 32  # rectangular val batches vary in shape: the grid cache stays bounded
 

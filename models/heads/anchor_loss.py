@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.heads.base import ALONE, Head, Ranks
-from models.heads.tal import bbox_ciou
-from utils.core.hyp import Hyp
-from utils.core.transfer import to_device
+from yolotrain.models.heads.base import ALONE, Head, Ranks
+from yolotrain.models.heads.tal import bbox_ciou
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.transfer import to_device
 
 NEIGHBOUR_OFFSET = 0.5  # a target also trains the adjacent cell(s) it lies within 0.5 of
 

@@ -7,7 +7,7 @@ A head is the model's last layer. It owns its maths:
 - ``end2end``: False for heads whose output needs NMS (anchor, DFL). An end-to-end (NMS-free) head
   has ``max_det`` (its top-k, settable) and, with ``end2end`` True, returns ``(dets, raw)`` in eval
   mode instead: dets (B, max_det, 6) = x1, y1, x2, y2 in input pixels, score, class index (float),
-  sorted by score, with no NMS. ``utils.core.boxes.postprocess`` turns either form into the same
+  sorted by score, with no NMS. ``yolotrain.utils.core.boxes.postprocess`` turns either form into the same
   per-image detections, so validation, plots, detect.py and export read only ``end2end``.
 - ``build_criterion(hyp, imgsz)``: the loss that trains it (target assignment included).
 - ``has_anchors``: whether the yaml holds anchors (its rows, the anchor count per level); ``family``, the
@@ -23,7 +23,7 @@ from typing import Callable, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from utils.core.hyp import Hyp
+from yolotrain.utils.core.hyp import Hyp
 
 
 class Ranks:

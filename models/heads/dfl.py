@@ -15,10 +15,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.blocks import DFL, Conv, DWConv
-from models.heads.base import Head, cell_centres, decode_outside_autocast
-from models.heads.dfl_loss import DFLLoss, DFLLossGains
-from utils.core.hyp import Hyp
+from yolotrain.models.blocks import DFL, Conv, DWConv
+from yolotrain.models.heads.base import Head, cell_centres, decode_outside_autocast
+from yolotrain.models.heads.dfl_loss import DFLLoss, DFLLossGains
+from yolotrain.utils.core.hyp import Hyp
 
 ANCHOR_CACHE = 32  # rectangular val batches vary in shape: the anchor-point cache stays bounded
 

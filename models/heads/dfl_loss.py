@@ -16,10 +16,10 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from models.heads.base import ALONE, Ranks
-from models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pack_targets, \
+from yolotrain.models.heads.base import ALONE, Ranks
+from yolotrain.models.heads.tal import TaskAlignedAssigner, bbox2dist, bbox_ciou, dist2bbox, make_anchors, pack_targets, \
     unpack_targets
-from utils.core.hyp import Hyp
+from yolotrain.utils.core.hyp import Hyp
 
 
 class DistributionHead(Protocol):

@@ -26,13 +26,13 @@ import math
 import torch
 from torch import nn
 
-from models.blocks import Conv
-from models.heads.base import decode_outside_autocast
-from models.heads.dfl import DFLDetect
-from models.heads.dfl_loss import DFLLossGains
-from models.heads.e2e_loss import E2EHead, E2ELoss
-from models.heads.tal import TaskAlignedAssigner
-from utils.core.hyp import Hyp
+from yolotrain.models.blocks import Conv
+from yolotrain.models.heads.base import decode_outside_autocast
+from yolotrain.models.heads.dfl import DFLDetect
+from yolotrain.models.heads.dfl_loss import DFLLossGains
+from yolotrain.models.heads.e2e_loss import E2EHead, E2ELoss
+from yolotrain.models.heads.tal import TaskAlignedAssigner
+from yolotrain.utils.core.hyp import Hyp
 
 V10_O2O_TOPK = 1  # YOLOv10's one-to-one assignment: each GT's single best anchor
 MAX_DET = 300  # Ultralytics' default number of end-to-end detections per image

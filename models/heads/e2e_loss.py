@@ -32,9 +32,9 @@ from typing import Protocol
 
 import torch
 
-from models.heads.base import ALONE, Ranks
-from models.heads.dfl_loss import AnchorGrid, DFLLossGains, Geometry, anchor_geometry, branch_items
-from models.heads.tal import TaskAlignedAssigner, pack_targets
+from yolotrain.models.heads.base import ALONE, Ranks
+from yolotrain.models.heads.dfl_loss import AnchorGrid, DFLLossGains, Geometry, anchor_geometry, branch_items
+from yolotrain.models.heads.tal import TaskAlignedAssigner, pack_targets
 
 O2M_TOPK = 10  # one-to-many positives per GT
 O2O_TOPK, O2O_TOPK2 = 7, 1  # one-to-one: ranked among the top 7, narrowed to the best 1

@@ -20,8 +20,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from models.heads.base import cell_centres
-from models.heads.chunks import cat_in_chunks
+from yolotrain.models.heads.base import cell_centres
+from yolotrain.models.heads.chunks import cat_in_chunks
 
 TAL_TOPK = 10  # positives per GT (Ultralytics' v8DetectionLoss)
 TAL_ALPHA = 0.5  # weight of the class score in the alignment metric
@@ -67,7 +67,7 @@ def bbox2dist(points: torch.Tensor, boxes: torch.Tensor, max_dist: float | None 
 
 
 def xywh2xyxy(xywh: torch.Tensor) -> torch.Tensor:
-    """Centre/size -> corners, out of place and differentiable (utils.core.boxes writes in place)."""
+    """Centre/size -> corners, out of place and differentiable (yolotrain.utils.core.boxes writes in place)."""
     xy, wh = xywh.chunk(2, -1)
     return torch.cat((xy - wh / 2, xy + wh / 2), -1)
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from yolotrain.app import train
-from utils.engine import loop
+from yolotrain.utils.engine import loop
 
 real_epoch = loop.train_one_epoch
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from yolotrain.app import train
-from utils.engine import hooks
+from yolotrain.utils.engine import hooks
 
 die_epoch, die_batch = (int(v) for v in sys.argv[2].split(":"))
 real_save = hooks.save_checkpoint  # every checkpoint write goes through the Checkpointer

@@ -12,9 +12,9 @@ import sys
 import torch
 
 from yolotrain.app import train
-from utils.core import dist
-from utils.engine import loop
-from utils.engine.optim import ModelEMA
+from yolotrain.utils.core import dist
+from yolotrain.utils.engine import loop
+from yolotrain.utils.engine.optim import ModelEMA
 
 real_evaluate = loop.evaluate_model
 

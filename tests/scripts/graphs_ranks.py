@@ -18,11 +18,11 @@ import sys
 import torch
 import torch.distributed as tdist
 
-from models.yolo import Model
+from yolotrain.models.yolo import Model
 from tests.helpers import ROOT
-from utils.core import dist
-from utils.core.hyp import Hyp
-from utils.engine.graphs import MIN_SLOTS, StepLoss
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.graphs import MIN_SLOTS, StepLoss
 
 CPU = torch.device("cpu")
 

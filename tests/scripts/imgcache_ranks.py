@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from utils.core import dist
-from utils.data.imgcache import build_or_open
-from utils.core.logging import setup_logging
+from yolotrain.utils.core import dist
+from yolotrain.utils.data.imgcache import build_or_open
+from yolotrain.utils.core.logging import setup_logging
 
 files, out = Path(sys.argv[1]).read_text().split(), Path(sys.argv[2])
 info = dist.dist_info()

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from yolotrain.app import train
-from utils.engine.step import Step
+from yolotrain.utils.engine.step import Step
 
 calls = {int(c) for c in sys.argv[1].split(",")}
 real_backward = Step.backward

@@ -17,11 +17,11 @@ import sys
 import torch
 import torch.distributed as tdist
 
-from models.heads.base import ALONE, Ranks
-from models.yolo import Model
+from yolotrain.models.heads.base import ALONE, Ranks
+from yolotrain.models.yolo import Model
 from tests.helpers import ROOT
-from utils.core import dist
-from utils.core.hyp import Hyp
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.hyp import Hyp
 
 MODELS = ("yolov5n", "yolov8n", "yolo26n")
 CPU = torch.device("cpu")

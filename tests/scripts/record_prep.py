@@ -7,10 +7,10 @@ import json
 import os
 import sys
 
-import utils.data.shapes
+import yolotrain.utils.data.shapes
 from yolotrain.app import train
-import utils.data.labelcache
-import utils.engine.hooks
+import yolotrain.utils.data.labelcache
+import yolotrain.utils.engine.hooks
 
 log_file = sys.argv[1]
 
@@ -29,9 +29,9 @@ def _wrap(event, fn, describe=lambda *a, **k: {}):
     return wrapped
 
 
-utils.data.shapes._swap_in = _wrap("generate", utils.data.shapes._swap_in)  # called only when a dataset was generated
+yolotrain.utils.data.shapes._swap_in = _wrap("generate", yolotrain.utils.data.shapes._swap_in)  # called only when a dataset was generated
 # load_or_scan looks scan_labels up in its own module
-utils.data.labelcache.scan_labels = _wrap("scan", utils.data.labelcache.scan_labels,
+yolotrain.utils.data.labelcache.scan_labels = _wrap("scan", yolotrain.utils.data.labelcache.scan_labels,
                                           lambda files, *a, **k: {"n": len(files)})
-utils.engine.hooks.save_checkpoint = _wrap("save", utils.engine.hooks.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
+yolotrain.utils.engine.hooks.save_checkpoint = _wrap("save", yolotrain.utils.engine.hooks.save_checkpoint, lambda ckpt, path: {"path": os.path.basename(path)})
 sys.exit(train.cli(sys.argv[2:]))

@@ -9,7 +9,7 @@ import sys
 import time
 
 from yolotrain.app import train
-from utils.engine import step
+from yolotrain.utils.engine import step
 
 LATE_S = 1.0  # rank 0's lag: its watchdog fires this much after rank 1's, within rank 1's grace
 

@@ -11,7 +11,7 @@ import time
 import torch.utils.data
 
 from yolotrain.app import train
-from utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
 
 real_getitems = LoadImagesAndLabels.__getitems__
 batches = 0  # counted in the worker process: its own copy after the fork

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from utils.core import dist
-from utils.core.errors import UserError
-from utils.core.logging import setup_logging
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import setup_logging
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 info = dist.dist_info()

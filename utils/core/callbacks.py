@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.errors import UserError, did_you_mean
 
 EVENTS: dict[str, str] = {  # name -> what the payload is (docs/python.md lists every field)
     "on_train_start": "TrainEvent: the run is built; nothing trained yet (config, hyp, save_dir, model)",

@@ -18,10 +18,20 @@ from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any, NoReturn, Union
 
-from utils.core.errors import UserError
-from utils.core.fileio import ROOT
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT
 
 Number = Union[int, float]
+
+SCRIPTS = ("train", "val", "detect", "export", "tune")  # the tools with a script at the checkout's top
+
+
+def tool_command(tool: str) -> str:
+    """A tool as a message names it, ready to paste in this form of yolotrain: ``python val.py`` (a checkout),
+    ``python -m yolotrain shards`` (a checkout, no script), ``yolotrain val`` (installed)."""
+    if not CHECKOUT:
+        return f"yolotrain {tool}"
+    return f"python {tool}.py" if tool in SCRIPTS else f"python -m yolotrain {tool}"
 
 
 class Range:
@@ -178,7 +188,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_channels_last_flag(p: argparse.ArgumentParser) -> None:
-    """--channels-last / --no-channels-last; unset (None) lets utils.core.dist pick per device."""
+    """--channels-last / --no-channels-last; unset (None) lets yolotrain.utils.core.dist pick per device."""
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format; --no-channels-last for NCHW (default: NHWC on CPU, and on CUDA under fp16 "
                         "(--amp, --half), where each measured faster; NCHW for fp32 on CUDA). Rounding differs between "
@@ -200,7 +210,7 @@ def add_hang_timeout_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
-    """--local-rank (hidden): older torch.distributed.launch passes it; utils.core.dist reads it."""
+    """--local-rank (hidden): older torch.distributed.launch passes it; yolotrain.utils.core.dist reads it."""
     p.add_argument("--local-rank", "--local_rank", type=Range(int, min=-1), default=-1, help=argparse.SUPPRESS)
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from utils.core.cpu import usable_cpus
-from utils.core.dist import DistInfo
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.cpu import usable_cpus
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.logging import LOGGER
 
 try:
     import fcntl

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.logging import LOGGER
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30  # blocks up to 1 GiB come from (and return to) the heap

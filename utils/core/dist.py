@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.core import watchdog
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 _CPU_GROUP = None  # gloo group for object collectives and long waits, while a process_group() holds it
 LONG_TIMEOUT = datetime.timedelta(hours=4)  # dataset scans and cache builds on huge datasets

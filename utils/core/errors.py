@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.logging import LOGGER
 
 
 class UserError(Exception):

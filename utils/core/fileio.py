@@ -1,4 +1,4 @@
-"""File IO: the repository root, safe yaml reading, and atomic writes.
+"""File IO: where shipped and written files live, safe yaml reading, and atomic writes.
 
 Atomic writes are the one way this project replaces a file readers may be looking at.
 
@@ -16,9 +16,14 @@ from typing import IO, Iterator
 
 import yaml
 
-from utils.core.errors import UserError
+from yolotrain.utils.core.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: default data, hyp and run folders live here
+# What ships with the code (hyps/, data/, models/): the checkout's top folder, or the installed package's folder.
+ROOT = Path(__file__).resolve().parents[2]
+# A checkout (python train.py) writes runs into its own runs/; an installed tool into ./runs of the working
+# directory, as Ultralytics' does, never into site-packages.
+CHECKOUT = (ROOT / "train.py").is_file()
+RUNS = ROOT / "runs" if CHECKOUT else Path("runs")
 
 
 @contextmanager

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.core.errors import UserError, did_you_mean
-from utils.core.fileio import load_yaml
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.fileio import load_yaml
+from yolotrain.utils.core.logging import LOGGER
 
 
 @dataclass(frozen=True)

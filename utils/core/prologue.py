@@ -14,10 +14,10 @@ from contextlib import AbstractContextManager, ExitStack
 
 import torch
 
-from utils.core import dist
-from utils.core.cores import claim_cores, set_cpu_threads
-from utils.core.logging import setup_logging
-from utils.core.watchdog import Watchdog
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.cores import claim_cores, set_cpu_threads
+from yolotrain.utils.core.logging import setup_logging
+from yolotrain.utils.core.watchdog import Watchdog
 
 GROUP_MARGIN_S = 120  # a collective's timeout beyond the hang watchdog's limit and grace
 

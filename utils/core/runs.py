@@ -6,7 +6,7 @@ import glob
 import os
 from pathlib import Path
 
-from utils.core.dist import DistInfo, broadcast_object
+from yolotrain.utils.core.dist import DistInfo, broadcast_object
 
 
 def increment_path(path: str | Path, exist_ok: bool = False) -> Path:

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NoReturn, TypeVar
 
-from utils.core.errors import EXIT_HUNG
+from yolotrain.utils.core.errors import EXIT_HUNG
 
 T = TypeVar("T")
 _INSTALLED: Watchdog | None = None  # the started Watchdog of this process (Watchdog.start)

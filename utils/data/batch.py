@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from utils.data.geometry import Placement
-from utils.data.pinning import PAGE_LOCKS
-from utils.data.plan import SamplePlan
+from yolotrain.utils.data.geometry import Placement
+from yolotrain.utils.data.pinning import PAGE_LOCKS
+from yolotrain.utils.data.plan import SamplePlan
 
 
 class DeferredImages(NamedTuple):

@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from utils.data.shapes import GENERATORS  # explicit registry, never eval
-from models.heads.anchor import check_anchors_spec
-from utils.core.errors import UserError, did_you_mean
-from utils.core.fileio import load_yaml
-from utils.data import remote
-from utils.data.split import SplitSource, open_split
+from yolotrain.utils.data.shapes import GENERATORS  # explicit registry, never eval
+from yolotrain.models.heads.anchor import check_anchors_spec
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT, load_yaml
+from yolotrain.utils.data import remote
+from yolotrain.utils.data.split import SplitSource, open_split
+
+
+DEMO_DATA = ROOT / "data" / "shapes.yaml"  # the built-in set: train.py's and val.py's --data default
 
 
 @dataclass
@@ -103,6 +107,14 @@ def load_image_ids(cfg: DataConfig) -> dict[str, int]:
     return {os.path.realpath(cfg.root / k): v for k, v in raw.items()}
 
 
+def yaml_folder(file: Path) -> Path:
+    """The folder a data yaml's relative paths resolve against: its own, except for a yaml shipped inside an
+    installed package, which resolves as the checkout's data/ does from the working directory, so the built-in set
+    is generated in ./datasets and never inside site-packages."""
+    folder = file.resolve().parent
+    return Path.cwd() / "data" if not CHECKOUT and folder == (ROOT / "data").resolve() else folder
+
+
 def load_data_config(path: str | Path) -> DataConfig:
     """Parse a YOLO dataset yaml. Relative paths resolve against the yaml's own folder."""
     file = Path(path)
@@ -113,7 +125,7 @@ def load_data_config(path: str | Path) -> DataConfig:
     path_text = None if raw.get("path") in (None, "") else str(raw["path"])
     url_root = remote.is_url(path_text)  # path: s3://bucket/dataset: the splits are under that URL
     root = Path(path_text if path_text and not url_root else ".").expanduser()
-    root = (root if root.is_absolute() else file.resolve().parent / root).resolve()
+    root = (root if root.is_absolute() else yaml_folder(file) / root).resolve()
     base: Path | str = path_text if url_root else root
     names = _names_list(file, raw["names"])
     if not names:
@@ -165,7 +177,7 @@ def prepare_dataset(cfg: DataConfig) -> None:
         p = missing.path
         if missing.reason == "url":  # object storage holds shard indexes only
             raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
-                            "(<split>.index, made by python -m yolotrain shards)")
+                            f"(<split>.index, made by {tool_command('shards')})")
         if missing.reason == "missing":
             raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
         raise UserError(f"{cfg.file}: '{key}' has no images: {p}")

@@ -16,19 +16,19 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from utils.core import watchdog
-from utils.core.hyp import Hyp
-from utils.core.logging import LOGGER
-from utils.data.augment import resize_long_side, resized_hw_all
-from utils.data.batch import Batch, BatchMemory, batch_targets
-from utils.data.device_augment import pack
-from utils.data.geometry import Placement
-from utils.data.labels import LabelTable, format_summary, require_usable
-from utils.data.plan import PlanInputs, SamplePlan, plan_sample
-from utils.data.problems import check_label_presence, report_messages, write_problem_report
-from utils.data.render import Scratch, TileSource, render
-from utils.data.shards import SourceColumn
-from utils.data.split import open_split
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.augment import resize_long_side, resized_hw_all
+from yolotrain.utils.data.batch import Batch, BatchMemory, batch_targets
+from yolotrain.utils.data.device_augment import pack
+from yolotrain.utils.data.geometry import Placement
+from yolotrain.utils.data.labels import LabelTable, format_summary, require_usable
+from yolotrain.utils.data.plan import PlanInputs, SamplePlan, plan_sample
+from yolotrain.utils.data.problems import check_label_presence, report_messages, write_problem_report
+from yolotrain.utils.data.render import Scratch, TileSource, render
+from yolotrain.utils.data.shards import SourceColumn
+from yolotrain.utils.data.split import open_split
 
 
 class SampleKey(NamedTuple):
@@ -96,7 +96,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.counts, self.msgs = dict(c), list(result.msgs)
         self.batch_index = np.arange(len(self.im_files)) // batch_size
         self.batch_shapes: np.ndarray | None = None
-        self.imgcache = None  # utils.data.imgcache.ImageCache when --cache ram|disk (attach_image_cache)
+        self.imgcache = None  # yolotrain.utils.data.imgcache.ImageCache when --cache ram|disk (attach_image_cache)
         self.memory = memory or BatchMemory()  # where batches are written
         self.render_on_device = render_on_device and augment  # the training device draws the pixels
         self._scratch, self._loaded_hw = Scratch(), None

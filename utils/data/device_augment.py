@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from utils.core.transfer import to_device
-from utils.data.augment import hsv_luts
-from utils.data.batch import BatchMemory, DeferredImages
-from utils.data.plan import Composite, SamplePlan
-from utils.data.render import TileSource
+from yolotrain.utils.core.transfer import to_device
+from yolotrain.utils.data.augment import hsv_luts
+from yolotrain.utils.data.batch import BatchMemory, DeferredImages
+from yolotrain.utils.data.plan import Composite, SamplePlan
+from yolotrain.utils.data.render import TileSource
 
 # composite rows: canvas h, w, perspective, flip lr, flip ud, the inverse matrix (9), then 4 tile slots
 # of (tile, x1a, y1a, x2a, y2a, x1b, y1b); an unused slot has tile -1
@@ -80,7 +80,7 @@ def pack(plans: list[SamplePlan], tiles: TileSource, memory: BatchMemory) -> Def
         for comp in plan.composites:
             composites.append(_composite_row(comp, plan, ids))
         samples[b, :3] = first, first + 1 if len(plan.composites) > 1 else -1, plan.mix_ratio
-        if plan.hsv is not None:  # the loader's own tables (utils.data.augment.hsv_luts)
+        if plan.hsv is not None:  # the loader's own tables (yolotrain.utils.data.augment.hsv_luts)
             samples[b, 3] = 1
             luts[b] = hsv_luts(plan.hsv)
     return DeferredImages(tiles=buf, table=torch.from_numpy(table), composites=torch.from_numpy(np.stack(composites)),
@@ -215,7 +215,7 @@ def colour(img: torch.Tensor, samples: torch.Tensor, luts: torch.Tensor) -> torc
 
     OpenCV's own 8-bit conversions, as tables over every colour (``colour_tables``), so the device repeats
     the loader's cvtColor exactly; between them each sample's hue, saturation and value lookups ``luts``
-    (B, 3, 256), packed by the workers with utils.data.augment.hsv_luts."""
+    (B, 3, 256), packed by the workers with yolotrain.utils.data.augment.hsv_luts."""
     bgr = img.to(torch.uint8)
     on = samples[:, 3] > 0
     to_hsv, to_rgb = colour_tables(img.device)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.data.batch import Batch
-from utils.data.device_augment import render_batch
+from yolotrain.utils.data.batch import Batch
+from yolotrain.utils.data.device_augment import render_batch
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from utils.core.errors import UserError
+from yolotrain.utils.core.errors import UserError
 
 IMG_SUFFIXES = (".bmp", ".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp")
 IMG_FORMATS = {"bmp", "jpeg", "mpo", "png", "tiff", "webp"}  # what PIL reports for those suffixes

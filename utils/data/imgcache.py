@@ -34,16 +34,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from utils.core import watchdog
-from utils.core.cpu import usable_cpus
-from utils.core.dist import barrier, torch_distributed_zero_first
-from utils.core.errors import UserError
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.data.augment import resize_long_side, resized_hw_all
-from utils.data.images import read_image_bgr
-from utils.data.labelcache import cache_paths, files_hash
-from utils.data.labels import img2label_paths
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.cpu import usable_cpus
+from yolotrain.utils.core.dist import barrier, torch_distributed_zero_first
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.augment import resize_long_side, resized_hw_all
+from yolotrain.utils.data.images import read_image_bgr
+from yolotrain.utils.data.labelcache import cache_paths, files_hash
+from yolotrain.utils.data.labels import img2label_paths
 
 CACHE_VERSION = 1
 MODES = ("ram", "disk")

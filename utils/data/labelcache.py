@@ -15,10 +15,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from utils.core import watchdog
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.data.labels import LabelTable, ScanResult, img2label_paths, scan_labels
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.labels import LabelTable, ScanResult, img2label_paths, scan_labels
 
 # 2: per-row label checks, full decode, new count keys; 3: every message kept (no per-file cap);
 # 4: image sizes stored as image_hw, (h, w); 5: labels in float64
@@ -61,7 +61,7 @@ def cache_paths(path: Any, label_files: Sequence[str], cache_dir: Path | None) -
 
 
 def save_cache(file: Path, result: ScanResult, hash_: str) -> None:
-    """Write arrays + JSON metadata atomically (utils.core.fileio)."""
+    """Write arrays + JSON metadata atomically (yolotrain.utils.core.fileio)."""
     rows, starts = LabelTable.of(result.labels).pack()  # the one packed layout (labels.LabelTable)
     meta = {"version": CACHE_VERSION, "hash": hash_, "img_files": list(result.img_files),
             "label_files": list(result.label_files), "msgs": result.msgs, "counts": result.counts}

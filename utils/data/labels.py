@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from utils.core import watchdog
-from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.core.cpu import usable_cpus
-from utils.core.errors import UserError
-from utils.data.images import IMG_SUFFIXES, verify_image
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.boxes import xywhn2xyxy, xyxy2xywhn
+from yolotrain.utils.core.cpu import usable_cpus
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.images import IMG_SUFFIXES, verify_image
 
 COORD_TOL = 1e-3  # normalised coordinates may stray this far outside [0, 1] (rounding in exports)
 COUNT_KEYS = ("found", "missing", "empty", "corrupt", "duplicates", "dropped", "clipped")

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from utils.core.cpu import release_inherited_heap, tune_malloc, usable_cpus
-from utils.core.dist import DistInfo, torch_distributed_zero_first
-from utils.core.errors import UserError
-from utils.core.hyp import Hyp
-from utils.core.logging import LOGGER
-from utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
-from utils.data.dataset import LoadImagesAndLabels, SampleKey
-from utils.data.imgcache import build_or_open, loader_shm_bytes
+from yolotrain.utils.core.cpu import release_inherited_heap, tune_malloc, usable_cpus
+from yolotrain.utils.core.dist import DistInfo, torch_distributed_zero_first
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
+from yolotrain.utils.data.dataset import LoadImagesAndLabels, SampleKey
+from yolotrain.utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
 PREFETCH = 2  # batches each worker prepares ahead (the DataLoader's prefetch_factor)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.logging import LOGGER
 
 LIMIT = 96  # locked buffers per process: training's and validation's rings (workers x slots), with room to grow
 

@@ -18,11 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
-from utils.core.boxes import xywhn2xyxy, xyxy2xywhn
-from utils.core.hyp import Hyp
-from utils.data.augment import flip_draws, flip_labels, hsv_gains, letterbox_fit, mixup_ratio, needs_warp, \
+from yolotrain.utils.core.boxes import xywhn2xyxy, xyxy2xywhn
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.data.augment import flip_draws, flip_labels, hsv_gains, letterbox_fit, mixup_ratio, needs_warp, \
     perspective_matrix, warp_boxes
-from utils.data.geometry import Placement
+from yolotrain.utils.data.geometry import Placement
 
 GEOMETRY_KEYS = ("degrees", "translate", "scale", "shear", "perspective")
 

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from utils.core.errors import UserError
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.data.labels import ScanResult
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.labels import ScanResult
 
 MAX_REPORTED = 20  # console lines of problems per split; the report file lists every problem
 MAX_ROWS_REPORTED = 5  # console lines per file, so one bad file does not hide the others

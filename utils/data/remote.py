@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 try:  # optional (requirements-s3.txt): only URLs need it
     import fsspec.core

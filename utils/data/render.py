@@ -9,8 +9,8 @@ from typing import Callable
 import cv2
 import numpy as np
 
-from utils.data.augment import apply_hsv, blend, warp_image
-from utils.data.plan import Composite, SamplePlan, Tile
+from yolotrain.utils.data.augment import apply_hsv, blend, warp_image
+from yolotrain.utils.data.plan import Composite, SamplePlan, Tile
 
 
 class TileSource:

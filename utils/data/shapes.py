@@ -20,8 +20,8 @@ from typing import Callable
 import cv2
 import numpy as np
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 SHAPE_NAMES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "ring")
 CLASS_HUES = (0, 115, 60, 28, 150, 90)  # OpenCV hue (0-179): red, blue, green, yellow, magenta, cyan

@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
-from utils.data import remote
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data import remote
 
 BUDGET_ENV = "YOLOTRAIN_SHARD_CACHE_GB"
 MIN_FREE = 2**30  # bytes the disk keeps free at least, without a budget

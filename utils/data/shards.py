@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
-from utils.data import remote
-from utils.data.labels import LabelTable, ScanResult, img2label_paths
-from utils.data.shardcache import ShardCache, budget_bytes
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data import remote
+from yolotrain.utils.data.labels import LabelTable, ScanResult, img2label_paths
+from yolotrain.utils.data.shardcache import ShardCache, budget_bytes
 
 INDEX_SUFFIX = ".index"
 INDEX_JSON = "index.json"
@@ -264,13 +265,13 @@ def index_meta(path: str | Path) -> dict[str, Any]:
         text = remote.read(where).decode() if remote.is_url(root) else Path(where).read_text()
         meta = json.loads(text)
     except FileNotFoundError:
-        raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with python -m yolotrain shards)"
+        raise UserError(f"{root}: not a shard index (no {INDEX_JSON}; make one with {tool_command('shards')})"
                         ) from None
     except (OSError, ValueError) as e:
         raise UserError(f"{where}: unreadable ({e})") from None
     if meta.get("version") != INDEX_VERSION:
         raise UserError(f"{root}: index version {meta.get('version')}, this yolotrain reads {INDEX_VERSION}; "
-                        "make it again with python -m yolotrain shards")
+                        f"make it again with {tool_command('shards')}")
     return meta
 
 

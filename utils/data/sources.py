@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from utils.core.errors import UserError
-from utils.data.augment import letterbox, resize_long_side
-from utils.data.geometry import Placement
-from utils.data.images import IMG_SUFFIXES, read_image_bgr
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.augment import letterbox, resize_long_side
+from yolotrain.utils.data.geometry import Placement
+from yolotrain.utils.data.images import IMG_SUFFIXES, read_image_bgr
 
 VIDEO_SUFFIXES = (".asf", ".avi", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".ts", ".webm", ".wmv")
 DEFAULT_FPS = 30.0  # when a container does not say its frame rate

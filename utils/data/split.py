@@ -23,12 +23,12 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from utils.data import remote
-from utils.data.images import IMG_SUFFIXES, decode_image_bgr, read_image_bgr
-from utils.data.imgcache import CacheSource
-from utils.data.labelcache import load_or_scan
-from utils.data.labels import ScanResult, describe_source, img2label_paths, resolve_image_files
-from utils.data.shards import ShardIndex, index_meta, is_shard_index, node_folder
+from yolotrain.utils.data import remote
+from yolotrain.utils.data.images import IMG_SUFFIXES, decode_image_bgr, read_image_bgr
+from yolotrain.utils.data.imgcache import CacheSource
+from yolotrain.utils.data.labelcache import load_or_scan
+from yolotrain.utils.data.labels import ScanResult, describe_source, img2label_paths, resolve_image_files
+from yolotrain.utils.data.shards import ShardIndex, index_meta, is_shard_index, node_folder
 
 
 @dataclass(frozen=True)

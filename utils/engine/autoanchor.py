@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.heads.anchor import check_anchor_order
-from models.yolo import de_parallel
-from utils.core import dist
-from utils.core.dist import DistInfo
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER, colorstr
-from utils.data.labels import LabelTable
+from yolotrain.models.heads.anchor import check_anchor_order
+from yolotrain.models.yolo import de_parallel
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER, colorstr
+from yolotrain.utils.data.labels import LabelTable
 
 PREFIX = "AutoAnchor: "
 BPR_GOOD = 0.98  # below this share of coverable labels, anchors are re-fitted (YOLOv5's threshold)

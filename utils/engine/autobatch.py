@@ -16,13 +16,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.heads.base import Criterion
-from models.yolo import Model
-from utils.core import dist, precision
-from utils.core.cli import Range
-from utils.core.errors import UserError
-from utils.core.hyp import Hyp
-from utils.core.logging import LOGGER
+from yolotrain.models.heads.base import Criterion
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.cli import Range
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.core.logging import LOGGER
 
 AUTO_BATCH = -1  # YOLOv5's and Ultralytics' spelling of "choose the batch size for me"
 FREE_FRACTION = 0.20

@@ -9,9 +9,9 @@ import math
 import time
 from typing import Any
 
-from utils.core import dist
-from utils.core.dist import DistInfo
-from utils.core.logging import LOGGER
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.logging import LOGGER
 
 
 class TimeBudget:

@@ -14,22 +14,21 @@ from typing import Any
 
 import torch
 
-from models.parse import MODELS_DIR, load_model_yaml
-from utils.core import dist, precision
-from utils.core.cli import ResolvedArgs
-from utils.core.dist import DistInfo
-from utils.core.errors import UserError
-from utils.core.fileio import ROOT
-from utils.core.hyp import load_hyp
-from utils.core.logging import LOGGER
-from utils.core.runs import increment_path, latest_checkpoint
-from utils.data.config import count_images, load_data_config
-from utils.engine.autobatch import AUTO_BATCH, auto_batch_size
-from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH
-from utils.engine.recipe import Recipe, recipe_for
-from utils.engine.state import SavedRun
-from utils.engine.step import problems as step_problems
-from utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
+from yolotrain.models.parse import MODELS_DIR, load_model_yaml
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.cli import ResolvedArgs
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.hyp import load_hyp
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.runs import increment_path, latest_checkpoint
+from yolotrain.utils.data.config import DEMO_DATA, count_images, load_data_config
+from yolotrain.utils.engine.autobatch import AUTO_BATCH, auto_batch_size
+from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH
+from yolotrain.utils.engine.recipe import Recipe, recipe_for
+from yolotrain.utils.engine.state import SavedRun
+from yolotrain.utils.engine.step import problems as step_problems
+from yolotrain.utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
 
@@ -43,7 +42,6 @@ RESUME_HARMLESS = {"device", "augment_on", "workers", "epochs", "time", "nan_rec
 RESUME_BOOKKEEPING = {"resume", "allow_changes", "local_rank", "project", "name", "exist_ok", "save_dir",
                       "sized_for", "by_device"}
 BY_DEVICE = ("augment_on", "micro_steps")  # flags whose 'auto' the device resolves (the summary says which did)
-DEMO_DATA = ROOT / "data" / "shapes.yaml"  # train.py's --data default: the built-in set
 # --imgsz and --epochs when not given, by what is trained: the quick demo on the built-in set (minutes on a
 # CPU), and on a user's data the values YOLOv5 and Ultralytics users expect.
 SIZE_DEFAULTS = {"demo": {"imgsz": 256, "epochs": 8}, "your data": {"imgsz": 640, "epochs": 100}}

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from utils.core.callbacks import Callbacks
-from utils.engine.preempt import StopRequest
-from utils.engine.setup import Training
-from utils.eval.evaluate import EvalResult
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.engine.preempt import StopRequest
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.eval.evaluate import EvalResult
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.heads.base import ALONE, Criterion, PackedCriterion, Ranks
-from models.heads.tal import pack_targets
-from utils.core.logging import LOGGER
+from yolotrain.models.heads.base import ALONE, Criterion, PackedCriterion, Ranks
+from yolotrain.models.heads.tal import pack_targets
+from yolotrain.utils.core.logging import LOGGER
 
 MIN_SLOTS = 32  # the fewest target slots per image a captured loss holds (slots_for)
 

@@ -8,20 +8,20 @@ from pathlib import Path
 
 import torch
 
-from utils.core import dist
-from utils.core.callbacks import Callbacks
-from utils.core.dist import DistInfo
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.core.runs import ResultsCSV
-from utils.engine.events import RunEvents, metric_summary
-from utils.engine.preempt import StopRequest
-from utils.engine.setup import Training
-from utils.engine.track import Tracker, attach_trackers, close_trackers
-from utils.eval.evaluate import EvalResult
-from utils.eval.outputs import save_eval_plots
-from utils.eval.plots import plot_images, plot_labels, plot_results
-from utils.weights.checkpoint import save_checkpoint, strip_optimizer
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.runs import ResultsCSV
+from yolotrain.utils.engine.events import RunEvents, metric_summary
+from yolotrain.utils.engine.preempt import StopRequest
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.track import Tracker, attach_trackers, close_trackers
+from yolotrain.utils.eval.evaluate import EvalResult
+from yolotrain.utils.eval.outputs import save_eval_plots
+from yolotrain.utils.eval.plots import plot_images, plot_labels, plot_results
+from yolotrain.utils.weights.checkpoint import save_checkpoint, strip_optimizer
 
 
 class SaveClock:

@@ -17,17 +17,17 @@ from typing import Iterable, Iterator, TypeVar
 import numpy as np
 import torch
 
-from utils.core import dist
-from utils.core.errors import EXIT_PREEMPTED
-from utils.core.logging import LOGGER
-from utils.core.watchdog import Watchdog
-from utils.data.device_feed import DeviceFeed, OnDevice
-from utils.engine.hooks import EpochVerdict, Hooks
-from utils.engine.preempt import StopRequest
-from utils.engine.progress import ProgressBar
-from utils.engine.setup import Training
-from utils.engine.state import Stop, StopReason
-from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.errors import EXIT_PREEMPTED
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.watchdog import Watchdog
+from yolotrain.utils.data.device_feed import DeviceFeed, OnDevice
+from yolotrain.utils.engine.hooks import EpochVerdict, Hooks
+from yolotrain.utils.engine.preempt import StopRequest
+from yolotrain.utils.engine.progress import ProgressBar
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.state import Stop, StopReason
+from yolotrain.utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
 
 T = TypeVar("T")
 _END = object()  # fetch_batches: the loader is exhausted

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from models.yolo import de_parallel
-from utils.core import dist
-from utils.core.logging import LOGGER
-from utils.engine.muon import MuSGD
-from utils.weights.checkpoint import fp32_state_dict
+from yolotrain.models.yolo import de_parallel
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.muon import MuSGD
+from yolotrain.utils.weights.checkpoint import fp32_state_dict
 
 NOMINAL_BATCH = 64  # weight decay is expressed per this many images; SGD recipes accumulate to it
 SHORT_RUN_BATCH = 16  # --optimizer auto's short-run AdamW steps once per this many images

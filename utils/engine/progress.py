@@ -6,7 +6,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from utils.engine.setup import Training
+from yolotrain.utils.engine.setup import Training
 
 
 class ProgressBar:

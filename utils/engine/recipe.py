@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.parse import load_model_yaml
-from models.registry import head_class
-from utils.core.fileio import ROOT
-from utils.core.hyp import Hyp
-from utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
-from utils.engine.step import MICRO_BATCH_FLOOR, images_per_step
+from yolotrain.models.parse import load_model_yaml
+from yolotrain.models.registry import head_class
+from yolotrain.utils.core.fileio import ROOT
+from yolotrain.utils.core.hyp import Hyp
+from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
+from yolotrain.utils.engine.step import MICRO_BATCH_FLOOR, images_per_step
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
 SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)

@@ -15,24 +15,24 @@ import torch
 import yaml
 from torch import nn
 
-from models.heads.base import Criterion
-from models.yolo import Model, ModelInfo, round_to_stride
-from utils.core import dist
-from utils.core.dist import DistInfo
-from utils.core.hyp import Hyp, load_hyp
-from utils.core.logging import LOGGER
-from utils.data.config import DataConfig, load_data_config, prepare_dataset
-from utils.data.loader import LoaderSpec, build_loader
-from utils.engine.autoanchor import anchors_per_level, fit_anchors
-from utils.engine.budget import TimeBudget
-from utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
-from utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
+from yolotrain.models.heads.base import Criterion
+from yolotrain.models.yolo import Model, ModelInfo, round_to_stride
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.hyp import Hyp, load_hyp
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.config import DataConfig, load_data_config, prepare_dataset
+from yolotrain.utils.data.loader import LoaderSpec, build_loader
+from yolotrain.utils.engine.autoanchor import anchors_per_level, fit_anchors
+from yolotrain.utils.engine.budget import TimeBudget
+from yolotrain.utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
+from yolotrain.utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     smart_optimizer, warmup_iters
-from utils.engine.recipe import RECIPES
-from utils.engine.recover import NanRecovery
-from utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
-from utils.engine.step import Step, StepOptions, StepPlan
-from utils.weights.checkpoint import to_plain
+from yolotrain.utils.engine.recipe import RECIPES
+from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
+from yolotrain.utils.engine.step import Step, StepOptions, StepPlan
+from yolotrain.utils.weights.checkpoint import to_plain
 
 
 @dataclass

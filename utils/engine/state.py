@@ -23,16 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.yolo import de_parallel
-from utils.core.errors import UserError
-from utils.core.fileio import atomic_write
-from utils.data.loader import TrainSampler
-from utils.engine.rng import rng_states, set_rng_states
-from utils.engine.budget import TimeBudget
-from utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
-from utils.engine.recover import NanRecovery
-from utils.eval.metrics import DetectionMetrics
-from utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
+from yolotrain.models.yolo import de_parallel
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.data.loader import TrainSampler
+from yolotrain.utils.engine.rng import rng_states, set_rng_states
+from yolotrain.utils.engine.budget import TimeBudget
+from yolotrain.utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
+from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.eval.metrics import DetectionMetrics
+from yolotrain.utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
 
 
 class StopReason(enum.Enum):

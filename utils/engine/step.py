@@ -26,13 +26,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from models.heads.base import Criterion, Ranks
-from utils.core import dist, precision
-from utils.core.dist import DistInfo
-from utils.core.logging import LOGGER
-from utils.engine.graphs import Capture, StepLoss, accumulation_problem, graphs_problems
-from utils.engine.optim import SHORT_RUN_BATCH, LRSchedule, ModelEMA, OptimizerChoice
-from utils.engine.recover import NanRecovery
+from yolotrain.models.heads.base import Criterion, Ranks
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.graphs import Capture, StepLoss, accumulation_problem, graphs_problems
+from yolotrain.utils.engine.optim import SHORT_RUN_BATCH, LRSchedule, ModelEMA, OptimizerChoice
+from yolotrain.utils.engine.recover import NanRecovery
 
 
 MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)

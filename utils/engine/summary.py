@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import torch
 
-from utils.core import precision
-from utils.core.hyp import Hyp, load_hyp
-from utils.core.logging import LOGGER, colorstr
-from utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
-from utils.engine.recipe import RECIPES
-from utils.engine.setup import Training
-from utils.engine.state import saved_metrics
-from utils.engine.step import explain
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core import precision
+from yolotrain.utils.core.hyp import Hyp, load_hyp
+from yolotrain.utils.core.logging import LOGGER, colorstr
+from yolotrain.utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
+from yolotrain.utils.engine.recipe import RECIPES
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.state import saved_metrics
+from yolotrain.utils.engine.step import explain
 
 
 def log_start_summary(t: Training) -> None:
@@ -83,5 +84,5 @@ def log_end_summary(t: Training, epochs_done: int, seconds: float) -> None:
                 f"Results: {t.save_dir / 'results.csv'}"
                 + (f"\nPlots in {t.save_dir}: {', '.join(pictures)}" if pictures else "")
                 + f"\nReproduce the best epoch's metrics with:\n"
-                f"  python val.py --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
+                f"  {tool_command('val')} --weights {best} --data {t.data.file} --imgsz {t.imgsz} "
                 f"--batch-size {t.cfg.val_batch_size}" + (" --half" if t.val_half else ""))

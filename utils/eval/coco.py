@@ -7,7 +7,7 @@ ground truth written here, and gets val.py's mAP: both files use the same ids.
   label scan keeps); ``file_name`` holds the image path, ``width``/``height`` its original size.
   val.py evaluates images in this same order, so score ties resolve as COCOeval resolves them.
 - category ids: the YOLO class index (0-based, as YOLOv5's predictions.json on custom data).
-- a dataset written by ``python -m yolotrain.convert`` records its source's ids (``SourceIds``):
+- a dataset written by ``python -m yolotrain convert`` records its source's ids (``SourceIds``):
   then both files use the source's image and category ids, so predictions.json scores against
   the original instances json directly.
 - boxes: ``[x, y, w, h]`` in original-image pixels, GT clipped to the image as val.py does.
@@ -28,11 +28,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from utils.core.errors import UserError
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.data.config import DataConfig, load_data_config, load_image_ids, prepare_dataset
-from utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.config import DataConfig, load_data_config, load_image_ids, prepare_dataset
+from yolotrain.utils.data.dataset import LoadImagesAndLabels
 
 
 GT_DECIMALS = 10  # ground truth's pixel rounding: 1e-10 px, far below 1e-6 of any real box, and no float noise
@@ -149,7 +149,7 @@ def dataset_ground_truth(dataset: LoadImagesAndLabels, names: Sequence[str],
 
 
 def write_json(obj: Any, path: str | Path) -> None:
-    """Write json atomically (utils.core.fileio), so a reader never sees half a file."""
+    """Write json atomically (yolotrain.utils.core.fileio), so a reader never sees half a file."""
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, separators=(",", ":")))  # one C-encoder pass: json.dump streams in Python
 

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils.core import dist, watchdog
-from utils.core.boxes import postprocess
-from utils.core.dist import DistInfo
-from utils.core.logging import LOGGER
-from utils.data.geometry import unletterbox
-from utils.eval import coco
-from utils.eval.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
+from yolotrain.utils.core import dist, watchdog
+from yolotrain.utils.core.boxes import postprocess
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.geometry import unletterbox
+from yolotrain.utils.eval import coco
+from yolotrain.utils.eval.metrics import ConfusionMatrix, DetectionMetrics, ImageStats, evaluate, match_image
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def detections_to_host(dets: list[torch.Tensor]) -> list[torch.Tensor]:
 def _reduce(shard: _Shard, names: list[str], opts: EvalOptions, im_files: list[str]) -> EvalResult:
     """Gather every rank's shard to rank 0, evaluate once in COCO image-id order, broadcast.
 
-    The order is the images' sorted paths (utils.eval.coco ids), not the loader's rect order, so
+    The order is the images' sorted paths (yolotrain.utils.eval.coco ids), not the loader's rect order, so
     score ties across images resolve as COCOeval resolves them on val.py's json files. Rank 0's
     result also holds all detections in that order when they were kept.
     """

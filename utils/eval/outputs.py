@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.core.boxes import xyxy2xywhn
-from utils.core.logging import LOGGER
-from utils.eval import coco
-from utils.eval.evaluate import EvalResult
-from utils.eval.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
+from yolotrain.utils.core.boxes import xyxy2xywhn
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.eval import coco
+from yolotrain.utils.eval.evaluate import EvalResult
+from yolotrain.utils.eval.plots import output_to_target, plot_confusion_matrix, plot_curves, plot_images
 
 
 def label_rows(det: np.ndarray, hw: tuple[int, int], save_conf: bool) -> list[str]:

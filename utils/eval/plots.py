@@ -17,9 +17,9 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 
-from utils.core.logging import LOGGER
-from utils.data.labels import LabelTable
-from utils.eval.metrics import Curves, DetectionMetrics
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.labels import LabelTable
+from yolotrain.utils.eval.metrics import Curves, DetectionMetrics
 
 MAX_LEGEND_CLASSES = 21  # per-class legend entries beyond this are unreadable
 MAX_ANNOTATED_CLASSES = 30  # confusion-matrix cells get numbers below this class count

@@ -6,7 +6,7 @@ centre and size in input pixels, one score per class; models/heads/base.py), or 
 end-to-end model (``backend.end2end``, from the head or the export's metadata) its final
 detections (B, max_det, 6), and ``raw`` the per-level outputs, which only a checkpoint has
 (exported graphs end at the decoding). So ``evaluate_model`` (val.py) and detect.py's
-``Predictor`` run every backend through the same post-processing (``utils.core.boxes.postprocess``)
+``Predictor`` run every backend through the same post-processing (``yolotrain.utils.core.boxes.postprocess``)
 and unletterboxing code. ``backend.meta`` says what the network needs and what it predicts.
 
 Input shapes: a checkpoint and a ``--dynamic`` export take any batch and any stride-multiple
@@ -21,6 +21,7 @@ import json
 import subprocess
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
@@ -28,11 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.yolo import Model
-from utils.core.errors import UserError
-from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER
-from utils.weights.checkpoint import load_model
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.weights.checkpoint import load_model
 
 META_KEY = "yolotrain"  # ONNX metadata_props key / TorchScript extra file holding ModelMeta as JSON
 META_FILE = "yolotrain.json"
@@ -106,7 +108,12 @@ OLD_FAMILY_WORDS = {("anchor", False): "anchor-based", ("anchor-free", True): "e
 
 
 def yolotrain_version() -> str:
-    """The checkout's commit (``git describe --always --dirty``): the project has no release numbers."""
+    """The checkout's commit (``git describe --always --dirty``), or the installed package's version."""
+    if not CHECKOUT:
+        try:
+            return metadata.version("yolotrain")
+        except metadata.PackageNotFoundError:
+            return "unknown"
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                              text=True, timeout=10)
@@ -204,7 +211,7 @@ class ExportedBackend(Backend):
                 "with decoded outputs for NMS"
             raise UserError(f"{self.path}: --{'' if end2end else 'no-'}end2end: this file was exported {mode} and "
                             "runs only that way; drop the flag, or export the checkpoint again with "
-                            f"python export.py --{'' if end2end else 'no-'}end2end")
+                            f"{tool_command('export')} --{'' if end2end else 'no-'}end2end")
 
     def run(self, images: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -254,7 +261,7 @@ class OnnxBackend(ExportedBackend):
         text = session.get_modelmeta().custom_metadata_map.get(META_KEY)
         if text is None:
             raise UserError(f"{path}: no yolotrain metadata (class names, stride, image size); export it "
-                            "with: python export.py --weights best.pt --include onnx")
+                            f"with: {tool_command('export')} --weights best.pt --include onnx")
         super().__init__(ModelMeta.from_json(text, str(path)), path)
         self.session, self.input_name = session, session.get_inputs()[0].name
         self.output_name = session.get_outputs()[0].name
@@ -303,7 +310,7 @@ class TorchScriptBackend(ExportedBackend):
         text = extra[META_FILE]
         if not text:
             raise UserError(f"{path}: no yolotrain metadata (class names, stride, image size); export it "
-                            "with: python export.py --weights best.pt --include torchscript")
+                            f"with: {tool_command('export')} --weights best.pt --include torchscript")
         super().__init__(ModelMeta.from_json(text.decode() if isinstance(text, bytes) else text, str(path)), path)
         self.module = module.eval()
 

@@ -29,17 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.core.callbacks import Callbacks
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
-from utils.data.augment import letterbox, resize_long_side
-from utils.data.config import load_data_config, prepare_dataset
-from utils.data.images import read_image_bgr
-from utils.data.labels import resolve_image_files
-from utils.data.sources import letterbox_image, resolve_sources
-from utils.infer.backends import (FORMATS, META_FILE, META_KEY, Backend, ExportedBackend, ModelMeta, OnnxBackend,
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.augment import letterbox, resize_long_side
+from yolotrain.utils.data.config import load_data_config, prepare_dataset
+from yolotrain.utils.data.images import read_image_bgr
+from yolotrain.utils.data.labels import resolve_image_files
+from yolotrain.utils.data.sources import letterbox_image, resolve_sources
+from yolotrain.utils.infer.backends import (FORMATS, META_FILE, META_KEY, Backend, ExportedBackend, ModelMeta, OnnxBackend,
                                   TorchBackend, TorchScriptBackend, require, yolotrain_version)
-from utils.infer.parity import FP16, FP32, ParityReport, compare
+from yolotrain.utils.infer.parity import FP16, FP32, ParityReport, compare
 
 # QUIET: tracing warns about Python values it keeps as constants (the strides) and about the
 # deprecation of torch.jit and of the TorchScript-based ONNX exporter; none is the user's to act on.

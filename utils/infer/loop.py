@@ -20,15 +20,15 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from utils.core import watchdog
-from utils.core.cpu import usable_cpus
-from utils.core.dist import DistInfo
-from utils.core.logging import LOGGER
-from utils.data.loader import InferenceSampler
-from utils.data.sources import (LetterboxedImages, Sources, VideoInfo, assign_videos, collate_items,
+from yolotrain.utils.core import watchdog
+from yolotrain.utils.core.cpu import usable_cpus
+from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.data.loader import InferenceSampler
+from yolotrain.utils.data.sources import (LetterboxedImages, Sources, VideoInfo, assign_videos, collate_items,
                                 UnreadableVideo, probe_video, read_video)
-from utils.infer.predict import Predictor
-from utils.infer.save import VideoSink, Writer
+from yolotrain.utils.infer.predict import Predictor
+from yolotrain.utils.infer.save import VideoSink, Writer
 
 
 @dataclass

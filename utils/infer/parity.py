@@ -35,8 +35,8 @@ import torch
 
 from torchvision.ops import box_iou
 
-from utils.core.boxes import non_max_suppression, postprocess, xywh2xyxy
-from utils.infer.backends import Backend
+from yolotrain.utils.core.boxes import non_max_suppression, postprocess, xywh2xyxy
+from yolotrain.utils.infer.backends import Backend
 
 PARITY_CONF, PARITY_IOU, PARITY_MAX_DET = 0.25, 0.45, 300  # detect.py's thresholds: the detections users see
 IOU_ROUNDING = 0.01  # how far box differences within tolerance can move an IoU (boxes of a few pixels and up)

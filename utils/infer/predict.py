@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from utils.core.boxes import postprocess
-from utils.data.geometry import Placement, unletterbox
-from utils.infer.backends import Backend, TorchBackend
+from yolotrain.utils.core.boxes import postprocess
+from yolotrain.utils.data.geometry import Placement, unletterbox
+from yolotrain.utils.infer.backends import Backend, TorchBackend
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ import cv2
 import numpy as np
 import torch
 
-from utils.core.callbacks import Callbacks
-from utils.eval.outputs import label_rows
-from utils.eval.plots import draw_detections
-from utils.infer.loop import Prediction
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.eval.outputs import label_rows
+from yolotrain.utils.eval.plots import draw_detections
+from yolotrain.utils.infer.loop import Prediction
 
 
 class Boxes:

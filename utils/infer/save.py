@@ -14,9 +14,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from utils.core.errors import UserError
-from utils.eval.outputs import label_rows
-from utils.eval.plots import draw_detections
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.eval.outputs import label_rows
+from yolotrain.utils.eval.plots import draw_detections
 
 CROP_GAIN, CROP_PAD = 1.02, 10  # YOLOv5's save_one_box margins: a little context around the box
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from utils.core import dist
-from utils.core.logging import LOGGER, colorstr
-from utils.infer.loop import ShardReport
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.logging import LOGGER, colorstr
+from yolotrain.utils.infer.loop import ShardReport
 
 
 @dataclass

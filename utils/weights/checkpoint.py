@@ -20,11 +20,12 @@ import numpy as np
 import torch
 import torchvision
 
-from models.yolo import Model
-from utils.core.errors import UserError
-from utils.core.fileio import atomic_write
-from utils.core.logging import LOGGER
-from utils.weights.convert.foreign import convert, sniff
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.weights.convert.foreign import convert, sniff
 
 FORMAT_VERSION = 1
 
@@ -81,7 +82,7 @@ def now_iso() -> str:
 
 
 def save_checkpoint(ckpt: dict[str, Any], path: str | Path) -> None:
-    """Write atomically (utils.core.fileio): a kill at any moment leaves the previous file or the new one."""
+    """Write atomically (yolotrain.utils.core.fileio): a kill at any moment leaves the previous file or the new one."""
     with atomic_write(path) as f:
         torch.save(ckpt, f)
 
@@ -116,7 +117,7 @@ def load_foreign(path: str | Path, map_location: str | torch.device = "cpu") -> 
     ckpt.update(versions=versions(), date=now_iso())
     LOGGER.info(f"{path}: {fm.title} checkpoint ({'EMA' if fm.weights == 'ema' else 'model'} weights, "
                 f"{len(fm.names)} classes, {len(ckpt['model'])} tensors) converted to a yolotrain checkpoint in "
-                f"memory; python -m yolotrain weights {path} OUT.pt saves it")
+                f"memory; {tool_command('weights')} {path} OUT.pt saves it")
     return ckpt
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from utils.core.cli import ArgumentParser
-from utils.core.errors import run_entry_point
-from utils.core.logging import LOGGER, setup_logging
-from utils.eval.coco import export_split
+from yolotrain.utils.core.cli import ArgumentParser, tool_command
+from yolotrain.utils.core.errors import run_entry_point
+from yolotrain.utils.core.logging import LOGGER, setup_logging
+from yolotrain.utils.eval.coco import export_split
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -22,7 +22,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The export CLI (utils/core/cli gives it the one-line errors of the others)."""
-    p = ArgumentParser(prog="python -m yolotrain coco", description="Export a YOLO-format split's ground truth "
+    p = ArgumentParser(prog=tool_command("coco"), description="Export a YOLO-format split's ground truth "
                        "as COCO json (ids match val.py --save-json)")
     p.add_argument("--data", required=True, help="dataset yaml")
     p.add_argument("--task", default="val", choices=("train", "val", "test"), help="which split")

@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from utils.core.cli import ArgumentParser
-from utils.core.errors import UserError, run_entry_point
-from utils.core.logging import LOGGER, setup_logging
-from utils.data.convert import convert_coco, convert_voc, read_names_file
+from yolotrain.utils.core.cli import ArgumentParser, tool_command
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.logging import LOGGER, setup_logging
+from yolotrain.utils.data.convert import convert_coco, convert_voc, read_names_file
 
 
 def build_parser() -> argparse.ArgumentParser:
     """`coco` and `voc` subcommands, each SRC OUT plus its flags (docs/datasets.md lists them all)."""
-    p = ArgumentParser(prog="python -m yolotrain convert",
+    p = ArgumentParser(prog=tool_command("convert"),
                        description="Convert COCO or Pascal VOC annotations to a YOLO dataset with its data.yaml")
     sub = p.add_subparsers(dest="format", required=True, metavar="{coco,voc}")
     coco = sub.add_parser("coco", help="COCO instances json (a file, or a folder of annotations/instances_<split>.json)")

@@ -25,23 +25,23 @@ import torch
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from models.yolo import round_to_stride
-from utils.core import dist, precision
-from utils.core.callbacks import Callbacks
-from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
+from yolotrain.models.yolo import round_to_stride
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, add_hang_timeout_flag, add_local_rank_flag, \
     add_run_folder_flags, add_workers_flag
-from utils.core.errors import UserError, run_entry_point
-from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER
-from utils.core.prologue import RunPrologue
-from utils.core.runs import pick_run_dir
-from utils.data.sources import resolve_sources
-from utils.infer.backends import ModelMeta, load_backend
-from utils.infer.loop import ShardReport, ShardSettings, run_shard
-from utils.infer.predict import PredictOptions, Predictor
-from utils.infer.results import batch_listener
-from utils.infer.save import SaveOptions, Writer
-from utils.infer.summary import RunSummary, finish
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.fileio import RUNS
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.prologue import RunPrologue
+from yolotrain.utils.core.runs import pick_run_dir
+from yolotrain.utils.data.sources import resolve_sources
+from yolotrain.utils.infer.backends import ModelMeta, load_backend
+from yolotrain.utils.infer.loop import ShardReport, ShardSettings, run_shard
+from yolotrain.utils.infer.predict import PredictOptions, Predictor
+from yolotrain.utils.infer.results import batch_listener
+from yolotrain.utils.infer.save import SaveOptions, Writer
+from yolotrain.utils.infer.summary import RunSummary, finish
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="box line width in pixels (0: scaled with the image)")
     p.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
     p.add_argument("--hide-conf", action="store_true", help="draw class names without confidences")
-    add_run_folder_flags(p, ROOT / "runs" / "detect")
+    add_run_folder_flags(p, RUNS / "detect")
     add_hang_timeout_flag(p)
     add_local_rank_flag(p)
     return p

@@ -21,15 +21,15 @@ import sys
 
 import torch
 
-from models.yolo import round_to_stride
-from utils.core import dist
-from utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags
-from utils.core.callbacks import Callbacks
-from utils.core.errors import UserError, run_entry_point
-from utils.core.logging import LOGGER
-from utils.core.prologue import RunPrologue
-from utils.infer.backends import TorchBackend, require
-from utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all, parity_images
+from yolotrain.models.yolo import round_to_stride
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range, add_device_flags, tool_command
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.prologue import RunPrologue
+from yolotrain.utils.infer.backends import TorchBackend, require
+from yolotrain.utils.infer.export import FORMATS, ExportOptions, ExportResult, export_all, parity_images
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 def check_opt(opt: argparse.Namespace, info: dist.DistInfo) -> list[str]:
     """The formats to write, in order, once each; refuses what cannot work before anything is loaded."""
     if info.world_size > 1:
-        raise UserError("export.py runs as one process (python export.py ...), not under torchrun")
+        raise UserError(f"export runs as one process ({tool_command('export')} ...), not under torchrun")
     formats = list(dict.fromkeys(opt.include))
     if "onnx" in formats:
         require("onnx", "exporting to ONNX")
@@ -96,8 +96,8 @@ def export(opt: argparse.Namespace, formats: list[str], device: torch.device,
     results = export_all(reference, formats, options, device, images, callbacks)
     files = " ".join(str(r.path) for r in results)
     LOGGER.info(f"Export complete: {files}\n"
-                f"Detect:   python detect.py --weights {results[0].path} --source IMAGES_OR_VIDEOS\n"
-                f"Validate: python val.py --weights {results[0].path}")
+                f"Detect:   {tool_command('detect')} --weights {results[0].path} --source IMAGES_OR_VIDEOS\n"
+                f"Validate: {tool_command('val')} --weights {results[0].path}")
     return results
 
 

@@ -21,20 +21,20 @@ from pathlib import Path
 
 import yaml
 
-from utils.core.cli import ArgumentParser, Range
-from utils.core.errors import UserError, run_entry_point
-from utils.core.logging import LOGGER, setup_logging
-from utils.data import remote
-from utils.data.config import load_data_config, prepare_dataset
-from utils.data.labels import describe_source, img2label_paths, require_usable, resolve_image_files, scan_labels
-from utils.data.problems import report_messages
-from utils.data.shards import INDEX_JSON, INDEX_SUFFIX, discard, replace_folder, write_split
+from yolotrain.utils.core.cli import ArgumentParser, Range, tool_command
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.logging import LOGGER, setup_logging
+from yolotrain.utils.data import remote
+from yolotrain.utils.data.config import load_data_config, prepare_dataset
+from yolotrain.utils.data.labels import describe_source, img2label_paths, require_usable, resolve_image_files, scan_labels
+from yolotrain.utils.data.problems import report_messages
+from yolotrain.utils.data.shards import INDEX_JSON, INDEX_SUFFIX, discard, replace_folder, write_split
 
 SPLITS = ("train", "val", "test")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m yolotrain shards", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=tool_command("shards"), description=__doc__.splitlines()[0])
     p.add_argument("src", help="a dataset yaml (each split it names), or an image folder or .txt list (with --nc)")
     p.add_argument("out", help="the folder to write: <split>-NNNNNN.tar shards, <split>.index, and data.yaml for a "
                                "yaml source (must not exist, or be empty); or a bucket prefix (s3://bucket/prefix, "
@@ -72,12 +72,12 @@ def main(opt: argparse.Namespace) -> Path | str:
             made = write(opt, Path(tmp) / "shards", url)
             remote.upload(made, url, first=lambda name: not name.endswith((INDEX_JSON, "data.yaml")))
             has_yaml = (made / "data.yaml").is_file()
-        LOGGER.info(f"Uploaded to {url}" + (f"; train on it: python train.py --data data.yaml, with {url}/data.yaml "
+        LOGGER.info(f"Uploaded to {url}" + (f"; train on it: {tool_command('train')} --data data.yaml, with {url}/data.yaml "
                                             "copied here" if has_yaml else ""))
         return url
     out = write(opt, Path(opt.out))
     yaml_file = out / "data.yaml"
-    LOGGER.info(f"Train on it: python train.py --data {yaml_file}" if yaml_file.is_file() else f"Wrote {out}")
+    LOGGER.info(f"Train on it: {tool_command('train')} --data {yaml_file}" if yaml_file.is_file() else f"Wrote {out}")
     return out
 
 
@@ -102,7 +102,7 @@ def write(opt: argparse.Namespace, out: Path, url: str | None = None) -> Path:
                         f"{sum(s.stat().st_size for s in shards) / 2**20:.1f} MiB, index {url or out}/{index.name}")
         if names is not None:
             body = {**({"path": url} if url else {}), **{s: f"{s}{INDEX_SUFFIX}" for s in splits}, "names": names}
-            (tmp / "data.yaml").write_text("# made by python -m yolotrain shards from " + str(opt.src) + "\n"
+            (tmp / "data.yaml").write_text(f"# made by {tool_command('shards')} from " + str(opt.src) + "\n"
                                            + yaml.safe_dump(body, sort_keys=False))
         replace_folder(tmp, out)
     finally:

@@ -19,26 +19,27 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from utils.core import dist, precision
-from utils.core.callbacks import Callbacks
-from utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, WordOrRange, add_cache_flags, add_channels_last_flag, \
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, WordOrRange, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
-from utils.core.cpu import tune_malloc
-from utils.core.errors import Preempted, UserError, run_entry_point
-from utils.core.fileio import ROOT
-from utils.core.prologue import RunPrologue
-from utils.core.watchdog import Watchdog
-from utils.data.imgcache import release_ram_caches
-from utils.engine.autobatch import BATCH_SIZE
-from utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_resume, size_default_help
-from utils.engine.hooks import Hooks, build_hooks
-from utils.engine.loop import run_epochs
-from utils.engine.preempt import StopRequest
-from utils.engine.setup import Training, build_training
-from utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
-from utils.engine.step import MICRO_BATCH_FLOOR
-from utils.engine.summary import log_end_summary, log_start_summary
-from utils.engine.track import check_packages
+from yolotrain.utils.core.cpu import tune_malloc
+from yolotrain.utils.core.errors import Preempted, UserError, run_entry_point
+from yolotrain.utils.core.fileio import RUNS
+from yolotrain.utils.core.prologue import RunPrologue
+from yolotrain.utils.core.watchdog import Watchdog
+from yolotrain.utils.data.config import DEMO_DATA
+from yolotrain.utils.data.imgcache import release_ram_caches
+from yolotrain.utils.engine.autobatch import BATCH_SIZE
+from yolotrain.utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_resume, size_default_help
+from yolotrain.utils.engine.hooks import Hooks, build_hooks
+from yolotrain.utils.engine.loop import run_epochs
+from yolotrain.utils.engine.preempt import StopRequest
+from yolotrain.utils.engine.setup import Training, build_training
+from yolotrain.utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
+from yolotrain.utils.engine.step import MICRO_BATCH_FLOOR
+from yolotrain.utils.engine.summary import log_end_summary, log_start_summary
+from yolotrain.utils.engine.track import check_packages
 from yolotrain.app.search import Trainer
 from yolotrain.app.search.evolve import evolve
 
@@ -50,7 +51,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI; every numeric flag is range-checked here, at parse time, on every rank (utils/cli.Range)."""
     p = ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--data", default=str(ROOT / "data" / "shapes.yaml"), help="dataset yaml")
+    p.add_argument("--data", default=str(DEMO_DATA), help="dataset yaml")
     p.add_argument("--cfg", default=None,
                    help="model yaml; a size name such as yolov8n.yaml builds models/yolov8.yaml at scale n (default: the "
                         "--weights checkpoint's model, else yolov8n)")
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noplots", action="store_true", help="save no pictures (labels, batches, curves, results)")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA DDP only)")
     add_compute_flags(p)
-    add_run_folder_flags(p, ROOT / "runs" / "train")
+    add_run_folder_flags(p, RUNS / "train")
     p.add_argument("--seed", type=SEED, default=0, help="global training seed")
     p.add_argument("--evolve", type=Range(int, min=1), nargs="?", const=300, default=None, metavar="N",
                    help="evolve the hyperparameters over N trials, YOLOv5's way (300 when no N): a local Optuna study "

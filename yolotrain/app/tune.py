@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from utils.core.callbacks import Callbacks
-from utils.core.cli import ArgumentParser, Range
-from utils.core.errors import run_entry_point
-from utils.core.fileio import ROOT
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.cli import ArgumentParser, Range, tool_command
+from yolotrain.utils.core.errors import run_entry_point
+from yolotrain.utils.core.fileio import RUNS
 from yolotrain.app import train
 from yolotrain.app.search import SearchOptions, Trainer, tune
 from yolotrain.app.search.study import PRUNERS
@@ -25,7 +25,7 @@ from yolotrain.app.search.study import PRUNERS
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.splitlines()[1], allow_abbrev=False,
-                       epilog="Any other flag is train.py's (python train.py --help), given to every trial.")
+                       epilog=f"Any other flag is train's ({tool_command('train')} --help), given to every trial.")
     p.add_argument("--trials", type=Range(int, min=1), default=20,
                    help="the study's total of finished (complete or pruned) trials, counting every worker's")
     p.add_argument("--study", default="study", help="study name: workers with the same name and storage share it")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "twice this (+1 s) is marked FAILED and enqueued again with its parameters")
     p.add_argument("--retries", type=Range(int, min=0), default=3,
                    help="how many times a trial whose worker died is enqueued again")
-    p.add_argument("--project", default=str(ROOT / "runs" / "tune"),
+    p.add_argument("--project", default=str(RUNS / "tune"),
                    help="the study's folder is <project>/<study>: trial_<number> run folders and the results")
     return p
 

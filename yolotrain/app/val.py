@@ -28,25 +28,23 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
-from utils.core import dist, precision
-from utils.core.callbacks import Callbacks
-from utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
+from yolotrain.utils.core import dist, precision
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range, ResolvedArgs, add_cache_flags, add_channels_last_flag, \
     add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
-from utils.core.errors import UserError, run_entry_point
-from utils.core.fileio import ROOT
-from utils.core.logging import LOGGER, colorstr
-from utils.core.prologue import RunPrologue
-from utils.core.runs import pick_run_dir
-from utils.data.config import DataConfig, load_data_config, prepare_dataset
-from utils.data.imgcache import release_ram_caches
-from utils.data.loader import LoaderSpec, build_loader
-from utils.engine.events import ValEvent, metric_summary
-from utils.eval import coco
-from utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
-from utils.eval.outputs import save_eval_plots, save_json, save_txt
-from utils.infer.backends import Backend, load_backend
-
-DEFAULT_DATA = ROOT / "data" / "shapes.yaml"
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.fileio import RUNS
+from yolotrain.utils.core.logging import LOGGER, colorstr
+from yolotrain.utils.core.prologue import RunPrologue
+from yolotrain.utils.core.runs import pick_run_dir
+from yolotrain.utils.data.config import DEMO_DATA, DataConfig, load_data_config, prepare_dataset
+from yolotrain.utils.data.imgcache import release_ram_caches
+from yolotrain.utils.data.loader import LoaderSpec, build_loader
+from yolotrain.utils.engine.events import ValEvent, metric_summary
+from yolotrain.utils.eval import coco
+from yolotrain.utils.eval.evaluate import EvalOptions, EvalResult, evaluate_model
+from yolotrain.utils.eval.outputs import save_eval_plots, save_json, save_txt
+from yolotrain.utils.infer.backends import Backend, load_backend
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-json", action="store_true",
                    help="save COCO predictions.json, the split's ground_truth.json and metrics.json")
     p.add_argument("--noplots", action="store_true", help="do not save curves, confusion matrix and batch pictures")
-    add_run_folder_flags(p, ROOT / "runs" / "val")
+    add_run_folder_flags(p, RUNS / "val")
     p.add_argument("--half", action="store_true",
                    help="reduced-precision inference: FP16 on CUDA, bf16 autocast on CPU (boxes decoded in fp32); "
                         "a run trained with --amp on CPU validated this way"),
@@ -195,7 +193,7 @@ def task_split(opt: argparse.Namespace) -> str:
 def load_split_config(opt: argparse.Namespace, args: dict, info: dist.DistInfo) -> tuple[DataConfig, list[str], bool]:
     """The data yaml (--data, else the checkpoint's), prepared once per node, with the class names scored."""
     with dist.torch_distributed_zero_first(info.local_rank):
-        data = load_data_config(opt.data or args.get("data") or DEFAULT_DATA)
+        data = load_data_config(opt.data or args.get("data") or DEMO_DATA)
         prepare_dataset(data)
     single_cls = opt.single_cls or bool(args.get("single_cls", False))
     if not getattr(data, task_split(opt)):

@@ -10,12 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from models.yolo import Model
-from utils.core.cli import ArgumentParser
-from utils.core.errors import UserError, run_entry_point
-from utils.core.logging import LOGGER, setup_logging
-from utils.weights.checkpoint import load_checkpoint, load_foreign, save_checkpoint
-from utils.weights.convert.sniff import sniff
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.cli import ArgumentParser, tool_command
+from yolotrain.utils.core.errors import UserError, run_entry_point
+from yolotrain.utils.core.logging import LOGGER, setup_logging
+from yolotrain.utils.weights.checkpoint import load_checkpoint, load_foreign, save_checkpoint
+from yolotrain.utils.weights.convert.sniff import sniff
 
 
 def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,7 +24,7 @@ def parse_opt(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """SOURCE and an optional OUTPUT; nothing else to choose."""
-    p = ArgumentParser(prog="python -m yolotrain weights",
+    p = ArgumentParser(prog=tool_command("weights"),
                        description="Convert a YOLOv5 or Ultralytics checkpoint to a yolotrain checkpoint "
                                    "(read without running anything in it; weights_only-loadable when saved).")
     p.add_argument("source", help="a YOLOv5 (v6.0+, 7.x package or checkout) or Ultralytics 8.x detection .pt file")

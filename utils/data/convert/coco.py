@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.core.errors import UserError
-from utils.data.convert.common import (ConvertReport, DatasetPlan, ImageItem, SplitCounts, check_images_exist,
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.data.convert.common import (ConvertReport, DatasetPlan, ImageItem, SplitCounts, check_images_exist,
                                        clip_box, finish_split, image_folder, write_dataset)
 
 

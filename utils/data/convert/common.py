@@ -15,8 +15,9 @@ from typing import Sequence
 
 import yaml
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.cli import tool_command
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 
 @dataclass
@@ -173,7 +174,7 @@ def _data_yaml(plan: DatasetPlan, train: str, val: str, has_ids: bool) -> str:
         doc["category_ids"] = list(plan.category_ids)
     if has_ids:
         doc["image_ids"] = "image_ids.json"
-    head = f"# written by python -m yolotrain.convert {plan.source}; splits: {', '.join(plan.splits)}\n"
+    head = f"# written by {tool_command('convert')} {plan.source}; splits: {', '.join(plan.splits)}\n"
     return head + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from utils.core.errors import UserError, did_you_mean
-from utils.data.convert.common import (ConvertReport, DatasetPlan, ImageItem, SplitCounts, clip_box, finish_split,
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.data.convert.common import (ConvertReport, DatasetPlan, ImageItem, SplitCounts, clip_box, finish_split,
                                        write_dataset)
-from utils.data.images import verify_image
+from yolotrain.utils.data.images import verify_image
 
 
 @dataclass

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 
-from utils.core.callbacks import Callbacks
-from utils.core.errors import Preempted, UserError
-from utils.core.logging import LOGGER
-from utils.engine.setup import Training
-from utils.engine.track.base import RunEnd, Tracker
-from utils.engine.track.mlflow import MLflowTracker
-from utils.engine.track.tensorboard import TensorBoardTracker
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import Preempted, UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.track.base import RunEnd, Tracker
+from yolotrain.utils.engine.track.mlflow import MLflowTracker
+from yolotrain.utils.engine.track.tensorboard import TensorBoardTracker
 
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # flag -> the package it needs
 

@@ -8,9 +8,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from utils.core.callbacks import Callbacks
-from utils.core.logging import LOGGER
-from utils.engine.setup import Training
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.setup import Training
 
 
 class RunEnd(enum.Enum):

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from utils.core.logging import LOGGER
-from utils.engine.setup import Training
-from utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
-from utils.engine.track.sender import Rejected, Sender
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
+from yolotrain.utils.engine.track.sender import Rejected, Sender
 
 UNSENT = "mlflow_unsent.jsonl"
 FLUSH_S = {RunEnd.FINISHED: 30.0, RunEnd.KILLED: 10.0, RunEnd.FAILED: 10.0}  # a requeue's grace is short

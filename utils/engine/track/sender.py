@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.logging import LOGGER
 
 PAUSES_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between retries while the server is away; at close, 1 s at most
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import cv2
 
-from utils.core.logging import LOGGER
-from utils.engine.setup import Training
-from utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.engine.setup import Training
+from yolotrain.utils.engine.track.base import RunEnd, Tracker, metric_name, run_params
 
 TRAIN_PICTURES = ("train_batch0.jpg", "train_batch1.jpg", "train_batch2.jpg")
 END_PICTURES = ("PR_curve.png", "confusion_matrix.png")

@@ -4,6 +4,6 @@
 ``sniff.py``: which package wrote a file, from its pickle's opcodes (nothing unpickled).
 ``foreign.py``: what the records mean, our model built from the file's yaml, every tensor matched.
 ``python -m yolotrain weights in.pt [out.pt]`` (yolotrain/app/weights.py) writes the converted checkpoint.
-``utils.weights.checkpoint.load_checkpoint`` converts such files in memory, so train.py, val.py
+``yolotrain.utils.weights.checkpoint.load_checkpoint`` converts such files in memory, so train.py, val.py
 and detect.py take them as ``--weights`` directly.
 """

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.parse import SIZE_IN_NAME
-from models.yolo import Model
-from utils.core.errors import UserError
-from utils.weights.convert.reader import Archive, Recorded, TensorRef
-from utils.weights.convert.sniff import ULTRALYTICS, YOLOV5, Sniffed, sniff
+from yolotrain.models.parse import SIZE_IN_NAME
+from yolotrain.models.yolo import Model
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.weights.convert.reader import Archive, Recorded, TensorRef
+from yolotrain.utils.weights.convert.sniff import ULTRALYTICS, YOLOV5, Sniffed, sniff
 
 __all__ = ["ULTRALYTICS", "YOLOV5", "ForeignModel", "Sniffed", "sniff", "read_foreign", "build_model", "convert"]
 

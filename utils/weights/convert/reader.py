@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from utils.core.errors import UserError
+from yolotrain.utils.core.errors import UserError
 
 # torch.nn classes found inside the detection models of both packages.
 TORCH_NN = {

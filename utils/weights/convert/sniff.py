@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from utils.weights.convert.reader import Archive, ReadError, globals_named, is_tensor_plumbing
+from yolotrain.utils.weights.convert.reader import Archive, ReadError, globals_named, is_tensor_plumbing
 
 YOLOV5 = "yolov5"
 ULTRALYTICS = "ultralytics"

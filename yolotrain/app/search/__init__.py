@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.core import dist
-from utils.core.callbacks import Callbacks
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER, setup_logging
-from utils.core.prologue import process_group
-from utils.core.watchdog import Watchdog
-from utils.engine.config import resolve_model, size_defaults
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER, setup_logging
+from yolotrain.utils.core.prologue import process_group
+from yolotrain.utils.core.watchdog import Watchdog
+from yolotrain.utils.engine.config import resolve_model, size_defaults
 from yolotrain.app.search.report import write_results
 from yolotrain.app.search.space import load_space
 from yolotrain.app.search.study import StudySettings

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from utils.core.fileio import ROOT, atomic_write
-from utils.core.hyp import load_hyp
+from yolotrain.utils.core.fileio import RUNS, atomic_write
+from yolotrain.utils.core.hyp import load_hyp
 from yolotrain.app.search import SearchOptions, Trainer, tune
 from yolotrain.app.search.report import write_results
 
@@ -20,7 +20,7 @@ try:  # optional (requirements-tune.txt): tune.py says what to install when it i
 except ModuleNotFoundError:
     TrialState = None
 
-EVOLVE_PROJECT = ROOT / "runs" / "evolve"
+EVOLVE_PROJECT = RUNS / "evolve"
 RUN_FLAGS = ("--project", "--name", "--exist-ok", "--evolve")  # the study's folder, set here
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import yaml
 
-from utils.core.fileio import atomic_write
-from utils.core.hyp import load_hyp
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.hyp import load_hyp
+from yolotrain.utils.core.logging import LOGGER
 from yolotrain.app.search.study import retried_from
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing

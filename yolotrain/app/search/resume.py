@@ -20,10 +20,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
-from utils.core.runs import ResultsCSV
-from utils.engine.state import SavedRun
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
+from yolotrain.utils.core.runs import ResultsCSV
+from yolotrain.utils.engine.state import SavedRun
 
 LAST = Path("weights") / "last.pt"
 

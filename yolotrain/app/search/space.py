@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.core.errors import UserError, did_you_mean
-from utils.core.fileio import load_yaml
-from utils.core.hyp import Hyp
+from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.fileio import load_yaml
+from yolotrain.utils.core.hyp import Hyp
 
 BOUND_KEYS = ("low", "high", "log")
 INTEGRAL = ("anchors",)  # YOLOv5 rounds it; a search would draw fractions it never uses

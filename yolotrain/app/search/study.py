@@ -15,8 +15,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from utils.core.errors import UserError
-from utils.core.logging import LOGGER
+from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.logging import LOGGER
 
 try:  # optional (requirements-tune.txt): tune.py says what to install when it is missing
     import optuna

@@ -24,12 +24,12 @@ from typing import Any
 
 import yaml
 
-from utils.core import dist
-from utils.core.callbacks import Callbacks
-from utils.core.errors import Preempted, UserError
-from utils.core.fileio import atomic_write
-from utils.core.hyp import load_hyp
-from utils.core.logging import LOGGER
+from yolotrain.utils.core import dist
+from yolotrain.utils.core.callbacks import Callbacks
+from yolotrain.utils.core.errors import Preempted, UserError
+from yolotrain.utils.core.fileio import atomic_write
+from yolotrain.utils.core.hyp import load_hyp
+from yolotrain.utils.core.logging import LOGGER
 from yolotrain.app.search.resume import continue_run, replay
 from yolotrain.app.search.space import Bounds, suggest
 from yolotrain.app.search.study import RETRY_OF, StudySettings, fail_stale, has_heartbeat, log_tally, open_study, \
