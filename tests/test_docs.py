@@ -161,6 +161,37 @@ def test_every_flag_documented(cli: str):
     assert not missing, f"{cli}: flags not documented in any docs/*.md: {', '.join(missing)}"
 
 
+FLAG_TABLES = {"train.py": ("training.md", "## Every train.py flag"), "val.py": ("deploy.md", "## val.py:"),
+               "detect.py": ("deploy.md", "## detect.py:"), "export.py": ("deploy.md", "## export.py:"),
+               "tune.py": ("tuning.md", "## Every tune.py flag")}
+
+
+def flag_table(text: str, heading: str) -> set[str]:
+    """The flags a page's table lists under ``heading`` (rows up to the next ## heading): every --flag in the
+    first cell of a row, aliases and --no-X forms included."""
+    text = "\n" + text
+    start = text.index("\n" + heading) + 1
+    end = text.find("\n## ", start + len(heading))
+    rows = [line for line in text[start:end if end > 0 else None].splitlines() if line.startswith("| `-")]
+    return {f for row in rows for f in re.findall(r"--[\w-]+", row.split(" | ")[0])}
+
+
+@pytest.mark.parametrize("cli", list(FLAG_TABLES))
+def test_each_tool_table_lists_exactly_its_parser_flags(cli: str):
+    """The flag table of each tool is its parser: a flag missing from the table, or a row for a flag the tool no
+    longer has, fails (mentioning the flag elsewhere in docs/ does not count)."""
+    page, heading = FLAG_TABLES[cli]
+    table, flags = flag_table((DOCS / page).read_text(encoding="utf-8"), heading), set(long_options(cli_parsers()[cli]))
+    assert table, f"docs/{page}: no flag table under {heading!r}"
+    assert sorted(flags - table) == [], f"docs/{page} {heading!r}: {cli} flags missing from the table"
+    assert sorted(table - flags) == [], f"docs/{page} {heading!r}: rows for flags {cli} does not have"
+
+
+def test_flag_table_reading():
+    text = "## A\n| flag | x |\n| `--a N` (`--b`) | 1 |\n| `--c` / `--no-c` | `--not-a-flag` |\n## B\n| `--d` | |\n"
+    assert flag_table(text, "## A") == {"--a", "--b", "--c", "--no-c"} and flag_table(text, "## B") == {"--d"}
+
+
 def test_every_convert_flag_documented():
     """python -m yolotrain convert: each subcommand's flags (argparse keeps them in its subparsers)."""
     from yolotrain.app import convert
