@@ -126,6 +126,7 @@ def test_torchrun_and_the_api_start_two_ranks_from_the_installed_package(install
     out = run([python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "yolotrain",
                "train", *flags, "--name", "torchrun"], env=env, cwd=work)
     assert "Batch: global 4 = 2 x 2 per rank" in out.stdout
+    assert "WARNING: each rank's batch is 2 images (global --batch-size 4 over 2 ranks)" in out.stdout + out.stderr
     assert (work / "runs" / "train" / "torchrun" / "weights" / "last.pt").is_file()
     api = ("from yolotrain import YOLO; "
            "r = YOLO('yolov5n.yaml').train(nproc=2, data='tiny.yaml', epochs=1, imgsz=64, batch_size=4, "

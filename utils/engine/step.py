@@ -139,6 +139,20 @@ def explain(plan: StepPlan, choice: OptimizerChoice, micro_steps: str, by_device
     return f"{steps}: {why}", None
 
 
+BN_BATCH_FLOOR = 8  # images per rank below which BatchNorm's batch statistics are noisy enough to cost accuracy
+
+
+def small_batch_warning(plan: StepPlan, world_size: int, sync_bn: bool) -> str | None:
+    """The start's warning when each of several ranks normalises over fewer than BN_BATCH_FLOOR images (a global
+    --batch-size, such as the default 16, spread over many GPUs), and what to do; None otherwise."""
+    if world_size < 2 or sync_bn or plan.per_rank_batch >= BN_BATCH_FLOOR:
+        return None
+    return (f"WARNING: each rank's batch is {plan.per_rank_batch} images (global --batch-size {plan.global_batch} "
+            f"over {world_size} ranks): BatchNorm's statistics from so few images are noisy and can cost accuracy. "
+            f"Give at least {BN_BATCH_FLOOR} per rank (--batch-size {BN_BATCH_FLOOR * world_size}), or --sync-bn on "
+            "CUDA to normalise over every rank's images")
+
+
 def problems(args, device: torch.device, world_size: int, nominal_batch: Callable[[], int]) -> list[str]:
     """Why the step cannot run as the resolved ``args`` ask, one sentence each; [] when it can. Checked before
     the run folder, the data scan or the model build. ``nominal_batch``: the images per step the run's optimizer

@@ -11,7 +11,7 @@ from yolotrain.utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
 from yolotrain.utils.engine.recipe import RECIPES
 from yolotrain.utils.engine.setup import Training
 from yolotrain.utils.engine.state import saved_metrics
-from yolotrain.utils.engine.step import explain
+from yolotrain.utils.engine.step import explain, small_batch_warning
 
 
 def log_start_summary(t: Training) -> None:
@@ -53,6 +53,9 @@ def log_start_summary(t: Training) -> None:
     LOGGER.info("\n".join(lines))
     if unused and not t.state.resumed:
         LOGGER.warning(unused)
+    small = small_batch_warning(t.plan, info.world_size, bool(opt.sync_bn and t.device.type == "cuda"))
+    if small:
+        LOGGER.warning(small)
 
 
 def sizing_note(opt) -> str:
