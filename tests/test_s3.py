@@ -143,6 +143,33 @@ def test_shards_are_written_to_a_bucket_and_read_back(server, tiny_data, tmp_pat
         shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
 
 
+def test_a_data_yaml_in_a_bucket_trains_as_a_local_one(server, tiny_data, tmp_path, restore_logger, one_thread):
+    """--data s3://.../data.yaml: the yaml shards writes (path: the URL), and one with relative splits, which
+    resolve against the yaml's folder in the store; an image folder in a bucket is named with how to make shards."""
+    from tests.helpers import TINY, train_here
+    from yolotrain.utils.data.config import load_data_config
+
+    server.fs().mkdir("made")
+    url = shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
+    names = yaml.safe_load(tiny_data.read_text())["names"]
+    server.fs().pipe_file("made/tiny/yamls/relative.yaml", yaml.safe_dump(
+        {"train": "../train.index", "val": "../val.index", "names": names}).encode())
+    relative = load_data_config(f"{url}/yamls/relative.yaml")
+    assert (relative.train, relative.val) == ([f"{url}/train.index"], [f"{url}/val.index"])
+    run = train_here("--data", f"{url}/data.yaml", "--cfg", "yolov5n.yaml", "--epochs", "1", *TINY,
+                     "--project", tmp_path, "--name", "s3yaml", "--cache-dir", tmp_path / "node")
+    assert run.last.is_file()
+    _upload(server, tiny_data.parent / "shapes", "made", "folder")
+    server.fs().pipe_file("made/folder/data.yaml", b"train: images/train\nval: images/val\nnames: [a]\n")
+    with pytest.raises(UserError) as e:
+        train_here("--data", "s3://made/folder/data.yaml", *TINY, "--project", tmp_path, "--name", "no")
+    assert str(e.value).startswith("s3://made/folder/data.yaml: 'train' is s3://made/folder/images/train: only "
+                                   "shard indexes (<split>.index) are read from object storage")
+    assert "yolotrain shards DATA.yaml s3://BUCKET/PREFIX" in str(e.value)
+    with pytest.raises(UserError, match="s3://made/none.yaml: no such object"):
+        load_data_config("s3://made/none.yaml")
+
+
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):
     server.fs().mkdir("empty")
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):

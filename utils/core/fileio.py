@@ -61,16 +61,25 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: file not found")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        text = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read: {e}") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: bytes, name: str) -> dict:
+    """safe_load a yaml mapping read from ``name`` (a file or a URL); UserError naming it when it is broken or not
+    a mapping."""
+    try:
+        data = yaml.safe_load(text.decode("utf-8"))
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
-        raise UserError(f"{path}: not valid yaml{at}: {getattr(e, 'problem', e)}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot be read: {e}") from None
+        raise UserError(f"{name}: not valid yaml{at}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name}: cannot be read: {e}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+        raise UserError(f"{name}: expected a mapping of keys to values, got {type(data).__name__}")
     return data

@@ -16,7 +16,7 @@ from yolotrain.utils.data.shapes import GENERATORS  # explicit registry, never e
 from yolotrain.models.heads.anchor import check_anchors_spec
 from yolotrain.utils.core.cli import tool_command
 from yolotrain.utils.core.errors import UserError, did_you_mean
-from yolotrain.utils.core.fileio import CHECKOUT, ROOT, load_yaml
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT, load_yaml, parse_yaml
 from yolotrain.utils.data import remote
 from yolotrain.utils.data.split import SplitSource, open_split
 
@@ -28,7 +28,7 @@ DEMO_DATA = ROOT / "data" / "shapes.yaml"  # the built-in set: train.py's and va
 class DataConfig:
     """A dataset yaml, resolved: absolute split paths and a names list."""
 
-    file: Path
+    file: Path | str  # the yaml: a local path, or a URL string for one in object storage
     root: Path
     train: list[str]
     val: list[str]
@@ -71,7 +71,7 @@ def _split_paths(file: Path, root: Path | str, key: str, value: Any) -> list[str
     if not all(isinstance(v, str) for v in items):
         raise UserError(f"{file}: '{key}' must be a path or a list of paths")
     if remote.is_url(root):
-        return [v if remote.is_url(v) else remote.join(str(root), v) for v in items]
+        return [v if remote.is_url(v) else remote.resolve(str(root), v) for v in items]
     return [v if remote.is_url(v) else str(p if (p := Path(v).expanduser()).is_absolute() else root / p)
             for v in items]
 
@@ -116,16 +116,20 @@ def yaml_folder(file: Path) -> Path:
 
 
 def load_data_config(path: str | Path) -> DataConfig:
-    """Parse a YOLO dataset yaml. Relative paths resolve against the yaml's own folder."""
-    file = Path(path)
-    raw = load_yaml(file)
+    """Parse a YOLO dataset yaml, a local file or a URL (s3://bucket/prefix/data.yaml: any fsspec store).
+    Relative paths resolve against the yaml's own folder, a URL's folder for a yaml in a store."""
+    in_store = remote.is_url(str(path))
+    file: Path | str = str(path) if in_store else Path(path)
+    raw = parse_yaml(remote.read(file), file) if in_store else load_yaml(file)
     for key in ("train", "val", "names"):
         if key not in raw:
             raise UserError(f"{file}: missing required key '{key}'")
     path_text = None if raw.get("path") in (None, "") else str(raw["path"])
+    if in_store and not remote.is_url(path_text) and not Path(path_text or ".").expanduser().is_absolute():
+        path_text = remote.resolve(remote.parent(file), path_text or ".")  # the store's folder, as a local yaml's
     url_root = remote.is_url(path_text)  # path: s3://bucket/dataset: the splits are under that URL
     root = Path(path_text if path_text and not url_root else ".").expanduser()
-    root = (root if root.is_absolute() else yaml_folder(file) / root).resolve()
+    root = (root if root.is_absolute() else yaml_folder(Path(file)) / root).resolve()
     base: Path | str = path_text if url_root else root
     names = _names_list(file, raw["names"])
     if not names:
@@ -176,8 +180,9 @@ def prepare_dataset(cfg: DataConfig) -> None:
             continue
         p = missing.path
         if missing.reason == "url":  # object storage holds shard indexes only
-            raise UserError(f"{cfg.file}: '{key}' is a URL, {p}: a URL split names a shard index "
-                            f"(<split>.index, made by {tool_command('shards')})")
+            raise UserError(f"{cfg.file}: '{key}' is {p}: only shard indexes (<split>.index) are read from object "
+                            f"storage, not image folders or lists; {tool_command('shards')} DATA.yaml s3://BUCKET/PREFIX "
+                            "makes them from a local copy and uploads them with a data.yaml to train from")
         if missing.reason == "missing":
             raise UserError(f"{cfg.file}: '{key}' path not found: {p}{_missing_split_hint(cfg, Path(p))}")
         raise UserError(f"{cfg.file}: '{key}' has no images: {p}")

@@ -45,6 +45,12 @@ def join(url: str, *parts: str) -> str:
     return f"{scheme}://{posixpath.join(rest, *parts)}"
 
 
+def resolve(folder: str, relative: str) -> str:
+    """``relative`` (``..`` allowed) under the URL ``folder``, normalised as a local path would be."""
+    scheme, rest = folder.split("://", 1)
+    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, relative))}"
+
+
 def parent(url: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{posixpath.dirname(rest.rstrip('/'))}"

@@ -72,8 +72,8 @@ def main(opt: argparse.Namespace) -> Path | str:
             made = write(opt, Path(tmp) / "shards", url)
             remote.upload(made, url, first=lambda name: not name.endswith((INDEX_JSON, "data.yaml")))
             has_yaml = (made / "data.yaml").is_file()
-        LOGGER.info(f"Uploaded to {url}" + (f"; train on it: {tool_command('train')} --data data.yaml, with {url}/data.yaml "
-                                            "copied here" if has_yaml else ""))
+        LOGGER.info(f"Uploaded to {url}" + (f"; train on it: {tool_command('train')} --data {url}/data.yaml"
+                                            if has_yaml else ""))
         return url
     out = write(opt, Path(opt.out))
     yaml_file = out / "data.yaml"
