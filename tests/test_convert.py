@@ -276,6 +276,7 @@ def test_cli_writes_a_weights_only_checkpoint(crafted, tmp_path):
                        cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "converted to a yolotrain checkpoint" in p.stdout and f"Saved {out}" in p.stdout
+    assert p.stdout.count("Its weights keep their AGPL-3.0 licence") == 1  # said once, where the file is converted
     saved = torch.load(out, weights_only=True)
     direct = load_checkpoint(crafted["files"]["yolov8n"])
     assert saved["model_yaml"] == direct["model_yaml"] and saved["names"] == NAMES

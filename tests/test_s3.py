@@ -3,6 +3,7 @@ S3 server (moto's, started here on 127.0.0.1), read through fsspec/s3fs as on a 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import PYTHON, ROOT, free_port, run_env
+from tests.helpers import PYTHON, ROOT, children, free_port, run_env
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.data import remote
 from yolotrain.utils.data.shardcache import BUDGET_ENV
@@ -168,6 +169,62 @@ def test_a_data_yaml_in_a_bucket_trains_as_a_local_one(server, tiny_data, tmp_pa
     assert "yolotrain shards DATA.yaml s3://BUCKET/PREFIX" in str(e.value)
     with pytest.raises(UserError, match="s3://made/none.yaml: no such object"):
         load_data_config("s3://made/none.yaml")
+
+
+SRUN = """#!{python}
+# srun as the SLURM tests launch: SLURM_NTASKS tasks of one command on this node, signals passed to every task
+import os, signal, subprocess, sys
+tasks = [subprocess.Popen(sys.argv[1:], env=dict(os.environ, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)))
+         for r in range(int(os.environ["SLURM_NTASKS"]))]
+for s in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(s, lambda sig, frame: [t.send_signal(sig) for t in tasks])
+sys.exit(max(t.wait() for t in tasks))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_slurm_batch_script_trains_from_the_bucket_and_requeues_a_stopped_job(server, tiny_data, tmp_path,
+                                                                                  restore_logger):
+    """examples/slurm/train-s3.sbatch as SLURM runs it (two srun-style tasks): data from the bucket, each node's
+    copies in its --cache-dir, the run in the shared folder; SLURM's USR1 stops the job, the script requeues it,
+    and the requeued job resumes and finishes without asking again."""
+    server.fs().mkdir("made")
+    url = shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "srun").write_text(SRUN.format(python=PYTHON))
+    (tools / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    shared = tmp_path / "shared"
+
+    def job(*flags: str) -> subprocess.Popen:
+        env = run_env(**server.env, PATH=f"{tools}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="job",
+                      SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1",
+                      MASTER_PORT=str(free_port()), DATA=f"{url}/data.yaml", PROJECT=str(shared),
+                      CACHE_DIR=str(tmp_path / "node"), BATCH="4", YOLOTRAIN=f"{PYTHON} train.py")
+        return subprocess.Popen(["bash", str(ROOT / "examples" / "slurm" / "train-s3.sbatch"), *flags], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    flags = ("--imgsz", "64", "--val-batch-size", "4", "--workers", "1", "--seed", "5", "--epochs", "4")
+    first = job(*flags)
+    line = first.stdout.readline()
+    while line and not line.startswith("Training 4 epochs"):  # rank 0's start summary ends the set-up
+        line = first.stdout.readline()
+    time.sleep(1.0)
+    os.kill(children(first.pid)[0], signal.SIGUSR1)  # SLURM's warning before the time limit, through srun
+    out = first.communicate(timeout=300)[0]
+    assert first.returncode == 75, out[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert (shared / "job" / "PREEMPTED").is_file() and list((tmp_path / "node").glob("yolotrain-indexes/*"))
+    again = job(*flags)  # the requeued job
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out[-3000:]
+    assert "Resuming" in out and not (shared / "job" / "PREEMPTED").exists()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # finished: not requeued again
+    ckpt = torch.load(shared / "job" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["epoch"] == 3 and ckpt["world_size"] == 2
 
 
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):

@@ -117,7 +117,8 @@ def load_foreign(path: str | Path, map_location: str | torch.device = "cpu") -> 
     ckpt.update(versions=versions(), date=now_iso())
     LOGGER.info(f"{path}: {fm.title} checkpoint ({'EMA' if fm.weights == 'ema' else 'model'} weights, "
                 f"{len(fm.names)} classes, {len(ckpt['model'])} tensors) converted to a yolotrain checkpoint in "
-                f"memory; {tool_command('weights')} {path} OUT.pt saves it")
+                f"memory; {tool_command('weights')} {path} OUT.pt saves it. Its weights keep their AGPL-3.0 licence "
+                "(YOLOv5's and Ultralytics'), whatever yolotrain's")
     return ckpt
 
 
