@@ -303,11 +303,12 @@ def test_the_summary_says_how_a_batch_becomes_steps_and_why_and_names_an_unused_
 def test_a_rank_batch_too_small_for_batchnorm_is_said_at_start_with_what_to_do():
     """The default global --batch-size 16 on 8 GPUs is 2 images per rank: said, with the batch or --sync-bn to
     use; one process, 8 images a rank, or SyncBatchNorm in use say nothing."""
-    from yolotrain.utils.engine.step import StepPlan, small_batch_warning
-    warning = small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), 8, sync_bn=False)
+    from yolotrain.utils.engine.step import StepPlan
+    from yolotrain.utils.engine.summary import small_batch_warning
+    warning = small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), sync_bn=False)
     assert warning == ("WARNING: each rank's batch is 2 images (global --batch-size 16 over 8 ranks): BatchNorm's "
                        "statistics from so few images are noisy and can cost accuracy. Give at least 8 per rank "
                        "(--batch-size 64), or --sync-bn on CUDA to normalise over every rank's images")
-    assert small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), 8, sync_bn=True) is None
-    assert small_batch_warning(StepPlan.of(64, 8, 64, 1, 100), 8, sync_bn=False) is None
-    assert small_batch_warning(StepPlan.of(4, 1, 64, 1, 100), 1, sync_bn=False) is None
+    assert small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), sync_bn=True) is None
+    assert small_batch_warning(StepPlan.of(64, 8, 64, 1, 100), sync_bn=False) is None
+    assert small_batch_warning(StepPlan.of(4, 1, 64, 1, 100), sync_bn=False) is None

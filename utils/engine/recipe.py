@@ -17,7 +17,7 @@ from yolotrain.models.registry import head_class
 from yolotrain.utils.core.fileio import ROOT
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
-from yolotrain.utils.engine.step import MICRO_BATCH_FLOOR, images_per_step
+from yolotrain.utils.engine.step import BN_BATCH_FLOOR, images_per_step
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
 SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)
@@ -98,9 +98,9 @@ def steps_per_batch(batch_size: int, ranks: int, step_images: int = SHORT_RUN_BA
     """Optimizer steps per batch in a short run: a global batch above ``step_images`` takes one per that many
     images (at SHORT_RUN_BATCH the batch-16 run's steps, measured to learn more in a short schedule than fewer
     steps at a higher LR: docs/benchmarks.md, "Large batches"), as long as each rank's part keeps
-    MICRO_BATCH_FLOOR images. The loader and the host sync still work per batch."""
+    BN_BATCH_FLOOR images. The loader and the host sync still work per batch."""
     per_rank = batch_size // max(ranks, 1)
-    return max(1, min(batch_size // max(step_images, 1), per_rank // MICRO_BATCH_FLOOR))
+    return max(1, min(batch_size // max(step_images, 1), per_rank // BN_BATCH_FLOOR))
 
 
 def large_batch_gain(step_images: float) -> float:

@@ -35,7 +35,9 @@ from yolotrain.utils.engine.optim import SHORT_RUN_BATCH, LRSchedule, ModelEMA, 
 from yolotrain.utils.engine.recover import NanRecovery
 
 
-MICRO_BATCH_FLOOR = 8  # the fewest images per rank a short run's micro-step trains on (BatchNorm's statistics)
+# The fewest images per rank whose BatchNorm batch statistics are trusted: a short run's micro-step trains on at
+# least this many, and a run whose ranks get fewer (without SyncBatchNorm) is warned at start.
+BN_BATCH_FLOOR = 8
 
 
 def accumulate_steps(global_batch: int, nominal_batch: int) -> int:
@@ -135,22 +137,8 @@ def explain(plan: StepPlan, choice: OptimizerChoice, micro_steps: str, by_device
                + f"; on takes the batch-{SHORT_RUN_BATCH} run's steps)")
     else:
         why = (f"a rank's batch of {plan.per_rank_batch} is too small to cut (each part keeps at least "
-               f"{MICRO_BATCH_FLOOR} images)")
+               f"{BN_BATCH_FLOOR} images)")
     return f"{steps}: {why}", None
-
-
-BN_BATCH_FLOOR = 8  # images per rank below which BatchNorm's batch statistics are noisy enough to cost accuracy
-
-
-def small_batch_warning(plan: StepPlan, world_size: int, sync_bn: bool) -> str | None:
-    """The start's warning when each of several ranks normalises over fewer than BN_BATCH_FLOOR images (a global
-    --batch-size, such as the default 16, spread over many GPUs), and what to do; None otherwise."""
-    if world_size < 2 or sync_bn or plan.per_rank_batch >= BN_BATCH_FLOOR:
-        return None
-    return (f"WARNING: each rank's batch is {plan.per_rank_batch} images (global --batch-size {plan.global_batch} "
-            f"over {world_size} ranks): BatchNorm's statistics from so few images are noisy and can cost accuracy. "
-            f"Give at least {BN_BATCH_FLOOR} per rank (--batch-size {BN_BATCH_FLOOR * world_size}), or --sync-bn on "
-            "CUDA to normalise over every rank's images")
 
 
 def problems(args, device: torch.device, world_size: int, nominal_batch: Callable[[], int]) -> list[str]:
@@ -200,11 +188,16 @@ class StepOptions:
 FP16_OVERFLOW_PATIENCE = 10  # non-finite fp16 losses in a row the GradScaler may absorb (2**-10 of its scale)
 
 
+def sync_bn_applies(asked: bool, info: DistInfo, device: torch.device) -> bool:
+    """Whether --sync-bn converts the model: SyncBatchNorm exchanges statistics over NCCL, so several CUDA ranks."""
+    return bool(asked and info.distributed and device.type == "cuda")
+
+
 def wrap(model: nn.Module, options: StepOptions, info: DistInfo, device: torch.device) -> nn.Module:
     """What the step's forward runs: SyncBatchNorm when asked (CUDA, several ranks), then DDP when distributed
     (not under --cuda-graphs: StepLoss's graphed unit gets it), then --compile (in place, after DDP as torch
     advises: the module stays a DDP, its state_dict keys plain). The one place DDP is decided."""
-    sync_bn = bool(options.sync_bn and info.distributed and device.type == "cuda")
+    sync_bn = sync_bn_applies(options.sync_bn, info, device)
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         LOGGER.info("Using SyncBatchNorm")

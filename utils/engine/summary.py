@@ -11,7 +11,7 @@ from yolotrain.utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
 from yolotrain.utils.engine.recipe import RECIPES
 from yolotrain.utils.engine.setup import Training
 from yolotrain.utils.engine.state import saved_metrics
-from yolotrain.utils.engine.step import explain, small_batch_warning
+from yolotrain.utils.engine.step import BN_BATCH_FLOOR, StepPlan, explain, sync_bn_applies
 
 
 def log_start_summary(t: Training) -> None:
@@ -53,9 +53,21 @@ def log_start_summary(t: Training) -> None:
     LOGGER.info("\n".join(lines))
     if unused and not t.state.resumed:
         LOGGER.warning(unused)
-    small = small_batch_warning(t.plan, info.world_size, bool(opt.sync_bn and t.device.type == "cuda"))
+    small = small_batch_warning(t.plan, sync_bn_applies(opt.sync_bn, info, t.device))
     if small:
         LOGGER.warning(small)
+
+
+def small_batch_warning(plan: StepPlan, sync_bn: bool) -> str | None:
+    """The start's warning when each of several ranks normalises over fewer than BN_BATCH_FLOOR images (a global
+    --batch-size, such as the default 16, spread over many GPUs), and what to do; None otherwise."""
+    world_size = plan.world_size
+    if world_size < 2 or sync_bn or plan.per_rank_batch >= BN_BATCH_FLOOR:
+        return None
+    return (f"WARNING: each rank's batch is {plan.per_rank_batch} images (global --batch-size {plan.global_batch} "
+            f"over {world_size} ranks): BatchNorm's statistics from so few images are noisy and can cost accuracy. "
+            f"Give at least {BN_BATCH_FLOOR} per rank (--batch-size {BN_BATCH_FLOOR * world_size}), or --sync-bn on "
+            "CUDA to normalise over every rank's images")
 
 
 def sizing_note(opt) -> str:
