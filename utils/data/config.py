@@ -71,7 +71,7 @@ def _split_paths(file: Path, root: Path | str, key: str, value: Any) -> list[str
     if not all(isinstance(v, str) for v in items):
         raise UserError(f"{file}: '{key}' must be a path or a list of paths")
     if remote.is_url(root):
-        return [v if remote.is_url(v) else remote.resolve(str(root), v) for v in items]
+        return [v if remote.is_url(v) else remote.join(str(root), v) for v in items]
     return [v if remote.is_url(v) else str(p if (p := Path(v).expanduser()).is_absolute() else root / p)
             for v in items]
 
@@ -126,10 +126,11 @@ def load_data_config(path: str | Path) -> DataConfig:
             raise UserError(f"{file}: missing required key '{key}'")
     path_text = None if raw.get("path") in (None, "") else str(raw["path"])
     if in_store and not remote.is_url(path_text) and not Path(path_text or ".").expanduser().is_absolute():
-        path_text = remote.resolve(remote.parent(file), path_text or ".")  # the store's folder, as a local yaml's
+        path_text = remote.join(remote.parent(file), path_text or ".")  # the store's folder, as a local yaml's
     url_root = remote.is_url(path_text)  # path: s3://bucket/dataset: the splits are under that URL
     root = Path(path_text if path_text and not url_root else ".").expanduser()
-    root = (root if root.is_absolute() else yaml_folder(Path(file)) / root).resolve()
+    folder = Path.cwd() if in_store else yaml_folder(file)  # a yaml in a store has no local folder
+    root = (root if root.is_absolute() else folder / root).resolve()
     base: Path | str = path_text if url_root else root
     names = _names_list(file, raw["names"])
     if not names:

@@ -40,15 +40,9 @@ def is_url(path: Any) -> bool:
 
 
 def join(url: str, *parts: str) -> str:
-    """``url``/``parts``, keeping the scheme's ``//``."""
+    """``url``/``parts``, keeping the scheme's ``//`` and normalised as a local path would be (``..`` allowed)."""
     scheme, rest = url.split("://", 1)
-    return f"{scheme}://{posixpath.join(rest, *parts)}"
-
-
-def resolve(folder: str, relative: str) -> str:
-    """``relative`` (``..`` allowed) under the URL ``folder``, normalised as a local path would be."""
-    scheme, rest = folder.split("://", 1)
-    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, relative))}"
+    return f"{scheme}://{posixpath.normpath(posixpath.join(rest, *parts))}"
 
 
 def parent(url: str) -> str:
