@@ -3,9 +3,7 @@ packages (torch and the rest, through a .pth file), used from an empty folder wi
 ``models`` first on sys.path. The checkout form is the rest of the suite."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_YAML
-from tests.helpers import ROOT, TINY, run
+from tests.helpers import ROOT, TINY, run, run_env
 
 # what setup.py packs: the package's folders and the files its metadata reads
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "yolotrain", "utils", "models", "hyps", "data",
@@ -56,9 +54,7 @@ def beside_yolov5(tmp_path) -> tuple[Path, dict]:
     work = tmp_path / "work"
     work.mkdir()
     (work / "tiny.yaml").write_text(TINY_YAML)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(PYTHONPATH=str(v5), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return work, env
+    return work, run_env(PYTHONPATH=str(v5))  # the YOLOv5 checkout, not this one, on the path
 
 
 def _site_files(venv: Path) -> set[str]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import PYTHON, ROOT, children, free_port, run_env
+from tests.helpers import PYTHON, RESUME, RESUME_EPOCHS, ROOT, children, free_port, load, run_env
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.data import remote
 from yolotrain.utils.data.shardcache import BUDGET_ENV
@@ -207,10 +207,9 @@ def test_the_slurm_batch_script_trains_from_the_bucket_and_requeues_a_stopped_jo
         return subprocess.Popen(["bash", str(ROOT / "examples" / "slurm" / "train-s3.sbatch"), *flags], cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    flags = ("--imgsz", "64", "--val-batch-size", "4", "--workers", "1", "--seed", "5", "--epochs", "4")
-    first = job(*flags)
+    first = job(*RESUME)
     line = first.stdout.readline()
-    while line and not line.startswith("Training 4 epochs"):  # rank 0's start summary ends the set-up
+    while line and not line.startswith(f"Training {RESUME_EPOCHS} epochs"):  # rank 0's start summary ends the set-up
         line = first.stdout.readline()
     time.sleep(1.0)
     os.kill(children(first.pid)[0], signal.SIGUSR1)  # SLURM's warning before the time limit, through srun
@@ -218,13 +217,13 @@ def test_the_slurm_batch_script_trains_from_the_bucket_and_requeues_a_stopped_jo
     assert first.returncode == 75, out[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert (shared / "job" / "PREEMPTED").is_file() and list((tmp_path / "node").glob("yolotrain-indexes/*"))
-    again = job(*flags)  # the requeued job
+    again = job(*RESUME)  # the requeued job
     out = again.communicate(timeout=600)[0]
     assert again.returncode == 0, out[-3000:]
     assert "Resuming" in out and not (shared / "job" / "PREEMPTED").exists()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # finished: not requeued again
-    ckpt = torch.load(shared / "job" / "weights" / "last.pt", weights_only=True)
-    assert ckpt["epoch"] == 3 and ckpt["world_size"] == 2
+    ckpt = load(shared / "job" / "weights" / "last.pt")
+    assert ckpt["epoch"] == RESUME_EPOCHS - 1 and ckpt["world_size"] == 2
 
 
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):
