@@ -64,6 +64,7 @@ def test_zero_first_master_works_first_and_objects_travel(tmp_path):
     assert (tmp_path / "read1").read_text() == "by rank 0"  # rank 1 waited for rank 0's file
     for r in (0, 1):
         assert (tmp_path / f"result{r}").read_text() == "[0, 10] decision from rank 0"
+        assert (tmp_path / f"released{r}").read_text() == "True"  # leaving the group freed the cyclic DDP wrapper
 
 
 @pytest.mark.slow

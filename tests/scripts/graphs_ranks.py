@@ -16,7 +16,6 @@ import json
 import sys
 
 import torch
-import torch.distributed as tdist
 
 from yolotrain.models.yolo import Model
 from tests.helpers import ROOT
@@ -45,9 +44,8 @@ def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def main(out: str, name: str) -> None:
-    tdist.init_process_group("gloo")
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+def compare(rank: int, world: int, name: str) -> dict:
+    """This rank's three steps both ways: what equals what, the captures taken, the last gradients' sum."""
     torch.manual_seed(0)
     plain = Model(ROOT / "models" / f"{name}.yaml", nc=3).train()
     if rank == 1:
@@ -80,12 +78,16 @@ def main(out: str, name: str) -> None:
             opt.step()
     report["captures"] = captured
     report["grad_sum"] = float(sum(p.grad.double().sum() for p in graphed.parameters() if p.grad is not None))
-    reports = [None] * world
-    tdist.all_gather_object(reports, report)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write("\n".join(json.dumps(r) for r in reports) + "\n")
-    tdist.destroy_process_group()
+    return report
+
+
+def main(out: str, name: str) -> None:
+    info = dist.dist_info()
+    with dist.process_group(info, CPU):  # the trainer's group and teardown (its DDP wrappers released first)
+        reports = dist.all_gather_object(compare(info.rank, info.world_size, name))
+        if info.is_main:
+            with open(out, "w") as f:
+                f.write("\n".join(json.dumps(r) for r in reports) + "\n")
 
 
 if __name__ == "__main__":

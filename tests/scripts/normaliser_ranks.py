@@ -15,7 +15,6 @@ import json
 import sys
 
 import torch
-import torch.distributed as tdist
 
 from yolotrain.models.heads.base import ALONE, Ranks
 from yolotrain.models.yolo import Model
@@ -62,9 +61,8 @@ def build(name: str) -> Model:
     return model
 
 
-def main(out: str) -> None:
-    tdist.init_process_group("gloo")
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+def compare(rank: int, world: int) -> list[dict]:
+    """Per model, on rank 0: each normaliser's largest gradient difference from one process's, relative."""
     images, targets = batch()
     lines = []
     for name in MODELS:
@@ -79,10 +77,16 @@ def main(out: str) -> None:
                 top = max(r.abs().max() for r in reference)
                 report[label] = float(max((g - r).abs().max() for g, r in zip(grads, reference)) / top)
         lines.append(report)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write("".join(json.dumps(line) + "\n" for line in lines))
-    tdist.destroy_process_group()
+    return lines
+
+
+def main(out: str) -> None:
+    info = dist.dist_info()
+    with dist.process_group(info, CPU):  # the trainer's group and teardown (its DDP wrappers released first)
+        lines = compare(info.rank, info.world_size)
+        if info.is_main:
+            with open(out, "w") as f:
+                f.write("".join(json.dumps(line) + "\n" for line in lines))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""torchrun helper for tests/test_dist.py: exercises torch_distributed_zero_first and object collectives.
+"""torchrun helper for tests/test_dist.py: exercises torch_distributed_zero_first, object collectives and leaving
+the process group (a DDP wrapper in a reference cycle is collected first).
 
 usage: zero_first.py OUT_DIR MODE   (MODE: ok | fail)
 """
 import contextlib
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -30,8 +32,12 @@ try:
     gathered = dist.all_gather_object(info.rank * 10)
     decided = dist.broadcast_object(f"decision from rank {info.rank}")
     (out / f"result{info.rank}").write_text(f"{gathered} {decided}")
+    wrapper = dist.smart_DDP(torch.nn.Linear(2, 2), torch.device("cpu"))
+    wrapper.itself = wrapper  # a DDP wrapper in a reference cycle, as a run's state can leave one
+    wrapper = weakref.ref(wrapper)
 except UserError as e:
     print(f"ERROR rank {info.rank}: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
 finally:
     group.close()
+(out / f"released{info.rank}").write_text(str(wrapper() is None))  # collected before its group was destroyed

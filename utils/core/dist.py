@@ -12,6 +12,7 @@ where; the collectives DDP runs inside forward and backward count as the loop's 
 from __future__ import annotations
 
 import datetime
+import gc
 import inspect
 import os
 from contextlib import contextmanager
@@ -193,7 +194,11 @@ def process_group(info: DistInfo, device: torch.device, min_timeout_s: float = 0
     ``min_timeout_s``: the default group's collectives wait at least this long (30 minutes otherwise), so a
     rank blocked on a stalled peer is named by its hang watchdog before gloo or NCCL gives up. Inside an outer
     call (tune.py's worker, whose trials each train) the groups are the outer call's and stay. A default group
-    made by the caller's own script (the Python API under torchrun) is trained on; only the CPU group is ours."""
+    made by the caller's own script (the Python API under torchrun) is trained on; only the CPU group is ours.
+
+    Leaving collects garbage first: a DDP wrapper left in a reference cycle holds its group past the destroy, and
+    a gloo group freed during interpreter shutdown can abort the process (``terminate called without an active
+    exception``) after the run has finished well."""
     global _CPU_GROUP
     if not info.distributed or _CPU_GROUP is not None:
         yield
@@ -212,6 +217,7 @@ def process_group(info: DistInfo, device: torch.device, min_timeout_s: float = 0
     try:
         yield
     finally:
+        gc.collect()
         if is_dist():
             dist.destroy_process_group(None if made_default else _CPU_GROUP)
         _CPU_GROUP = None
