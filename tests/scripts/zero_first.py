@@ -1,5 +1,5 @@
 """torchrun helper for tests/test_dist.py: exercises torch_distributed_zero_first, object collectives and leaving
-the process group (a DDP wrapper in a reference cycle is collected first).
+the process group (a DDP wrapper held in a reference cycle is collected).
 
 usage: zero_first.py OUT_DIR MODE   (MODE: ok | fail)
 """
@@ -32,12 +32,13 @@ try:
     gathered = dist.all_gather_object(info.rank * 10)
     decided = dist.broadcast_object(f"decision from rank {info.rank}")
     (out / f"result{info.rank}").write_text(f"{gathered} {decided}")
-    wrapper = dist.smart_DDP(torch.nn.Linear(2, 2), torch.device("cpu"))
-    wrapper.itself = wrapper  # a DDP wrapper in a reference cycle, as a run's state can leave one
-    wrapper = weakref.ref(wrapper)
+    state = {"model": dist.smart_DDP(torch.nn.Linear(2, 2), torch.device("cpu"))}
+    state["self"] = state  # a run's state in a reference cycle, holding a DDP wrapper
+    wrapper = weakref.ref(state["model"])
+    del state
 except UserError as e:
     print(f"ERROR rank {info.rank}: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
 finally:
     group.close()
-(out / f"released{info.rank}").write_text(str(wrapper() is None))  # collected before its group was destroyed
+(out / f"released{info.rank}").write_text(str(wrapper() is None))  # collected on leaving the group
