@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# what pkgutil lists in the yolotrain package, in a checkout and installed: its library modules, nothing else
+LIBRARY_MODULES = {"__main__", "app", "convert", "launch", "model", "models", "options", "results", "utils"}
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAUNCHERS = {"1-process": [PYTHON], "2-process": TORCHRUN}

@@ -260,7 +260,7 @@ def test_size_from_file_name_and_path_forms(tmp_path: Path, monkeypatch: pytest.
     assert Model(Path("models/yolov8n.yaml")).yaml["scale"] == "n"  # the --cfg form
     assert Model(MODELS / "yolov8m.yaml").yaml["scale"] == "m"
     assert Model("yolov5su.yaml").yaml["scale"] == "s"
-    assert Model("yolo11x.yaml").source == str(MODELS / "yolo11.yaml")
+    assert Model("yolo11x.yaml").source == str((MODELS / "yolo11.yaml").resolve())
     # a family file of one's own: the sized name finds it beside the requested path
     shutil.copy(MODELS / "yolov8.yaml", tmp_path / "yolov8.yaml")
     assert n_params(Model(tmp_path / "yolov8s.yaml")) == PARAMS["yolov8s"]

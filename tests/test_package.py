@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_YAML
-from tests.helpers import ROOT, TINY, run, run_env
+from tests.helpers import LIBRARY_MODULES, ROOT, TINY, run, run_env
 
-# what setup.py packs: the package's folders and the files its metadata reads
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "yolotrain", "utils", "models", "hyps", "data",
-           *(p.name for p in ROOT.glob("requirements*.txt")))
+# what setup.py packs: the package's folder and the files its metadata reads
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "yolotrain", *(p.name for p in ROOT.glob("requirements*.txt")))
 SHIPPED = ("yolotrain/models/yolov8.yaml", "yolotrain/models/yolov5n.yaml", "yolotrain/hyps/hyp.scratch-low.yaml",
            "yolotrain/data/shapes.yaml", "yolotrain/utils/engine/step.py", "yolotrain/app/train.py")
 
@@ -88,6 +87,9 @@ def test_the_installed_api_imports_from_any_folder_without_a_top_level_utils(ins
                                       cwd=work).stdout.split()
     assert Path(where).is_relative_to(installed / "venv") and checkout == "False" and runs == "runs"
     assert Path(demo) == work.resolve() / "datasets" / "shapes"  # the built-in set is made here, not in site-packages
+    walk = "import pkgutil, yolotrain; print(*sorted(m.name for m in pkgutil.iter_modules(yolotrain.__path__)))"
+    listed = run([installed / "venv" / "bin" / "python", "-c", walk], env=env, cwd=work).stdout.split()
+    assert set(listed) == LIBRARY_MODULES  # the same library modules as the checkout (test_layers)
     usage = run([installed / "venv" / "bin" / "yolotrain", "--help"], env=env, cwd=work).stdout
     assert usage.startswith("usage: yolotrain <tool>") and all(f"  {t} " in usage for t in ("train", "val", "shards"))
     helps = run([installed / "venv" / "bin" / "yolotrain", "val", "--help"], env=env, cwd=work).stdout
@@ -99,8 +101,8 @@ def test_the_installed_command_trains_and_validates_beside_a_yolov5_checkout(ins
     work, env = beside_yolov5
     yolotrain = installed / "venv" / "bin" / "yolotrain"
     before = _site_files(installed / "venv")
-    trained = run([yolotrain, "train", "--data", "tiny.yaml", "--cfg", "yolov5n.yaml", "--epochs", "1", *TINY],
-                  env=env, cwd=work).stdout
+    trained = run([yolotrain, "train", "--data", "tiny.yaml", "--cfg", "models/yolov5n.yaml", "--hyp",
+                   "hyps/hyp.scratch-low.yaml", "--epochs", "1", *TINY], env=env, cwd=work).stdout  # YOLOv5's paths
     best = work / "runs" / "train" / "exp" / "weights" / "best.pt"
     assert best.is_file() and (work / "shapes" / "images" / "train").is_dir()
     assert "  yolotrain val --weights runs/train/exp/weights/best.pt --data tiny.yaml" in trained  # pasteable here

@@ -14,15 +14,7 @@ The names below are imported on first use (PEP 562), so a process that runs one 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-# The library is yolotrain.utils and yolotrain.models in both forms, never top-level names a YOLOv5 checkout on
-# sys.path would shadow. An installed package holds them inside this folder; a checkout keeps them at its top
-# (python train.py, utils/, models/), so there the package also looks one folder up (docs/architecture.md,
-# "One source tree, two forms").
-if not os.path.isdir(os.path.join(os.path.dirname(__file__), "utils")):
-    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if TYPE_CHECKING:
     from yolotrain.utils.core.callbacks import CallbackError

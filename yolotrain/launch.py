@@ -22,11 +22,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from yolotrain.utils.core.errors import EXIT_PREEMPTED, Preempted, UserError
-from yolotrain.utils.core.fileio import CHECKOUT, ROOT
+from yolotrain.utils.core.fileio import CHECKOUT, TOP
 from yolotrain.utils.engine.state import RESULT_FILE_ENV, TrainResult
 
 # what each rank runs: the checkout's script (found wherever the caller's sys.path came from), or the package's
-TRAIN_ENTRY = (str(ROOT / "train.py"),) if CHECKOUT else ("-m", "yolotrain", "train")
+TRAIN_ENTRY = (str(TOP / "train.py"),) if CHECKOUT else ("-m", "yolotrain", "train")
 
 
 def launch_training(argv: list[str], nproc: int) -> TrainResult:

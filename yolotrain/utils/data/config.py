@@ -16,7 +16,7 @@ from yolotrain.utils.data.shapes import GENERATORS  # explicit registry, never e
 from yolotrain.models.heads.anchor import check_anchors_spec
 from yolotrain.utils.core.cli import tool_command
 from yolotrain.utils.core.errors import UserError, did_you_mean
-from yolotrain.utils.core.fileio import CHECKOUT, ROOT, load_yaml, parse_yaml
+from yolotrain.utils.core.fileio import CHECKOUT, ROOT, TOP, load_yaml, parse_yaml
 from yolotrain.utils.data import remote
 from yolotrain.utils.data.split import SplitSource, open_split
 
@@ -108,11 +108,13 @@ def load_image_ids(cfg: DataConfig) -> dict[str, int]:
 
 
 def yaml_folder(file: Path) -> Path:
-    """The folder a data yaml's relative paths resolve against: its own, except for a yaml shipped inside an
-    installed package, which resolves as the checkout's data/ does from the working directory, so the built-in set
-    is generated in ./datasets and never inside site-packages."""
+    """The folder a data yaml's relative paths resolve against: its own, except for the package's data/, which
+    resolves as a data/ at the top of the checkout (or of the working directory, installed), so the built-in set is
+    generated in <top>/datasets and never inside the package."""
     folder = file.resolve().parent
-    return Path.cwd() / "data" if not CHECKOUT and folder == (ROOT / "data").resolve() else folder
+    if folder != (ROOT / "data").resolve():
+        return folder
+    return (TOP if CHECKOUT else Path.cwd()) / "data"
 
 
 def load_data_config(path: str | Path) -> DataConfig:
@@ -130,7 +132,7 @@ def load_data_config(path: str | Path) -> DataConfig:
     url_root = remote.is_url(path_text)  # path: s3://bucket/dataset: the splits are under that URL
     root = Path(path_text if path_text and not url_root else ".").expanduser()
     folder = Path.cwd() if in_store else yaml_folder(file)  # a yaml in a store has no local folder
-    root = (root if root.is_absolute() else folder / root).resolve()
+    root = (root if root.is_absolute() else Path(os.path.normpath(folder / root))).resolve()  # data/.. lexically
     base: Path | str = path_text if url_root else root
     names = _names_list(file, raw["names"])
     if not names:

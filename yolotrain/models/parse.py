@@ -103,7 +103,8 @@ def _family_name(name: str) -> str | None:
 
 
 def _find_model_yaml(path: Path) -> Path:
-    """The path itself, else the same file name inside models/ (so 'yolov5s.yaml' just works);
+    """The path itself, else the same file name among the shipped models (so 'yolov5s.yaml' and YOLOv5's
+    'models/yolov5s.yaml' work from any folder and installed);
     then the same two places for the family file of a sized name (yolov8n.yaml -> yolov8.yaml)."""
     family = _family_name(path.name)
     for name in [path.name] + ([family] if family else []):
@@ -111,7 +112,7 @@ def _find_model_yaml(path: Path) -> Path:
         if candidate.is_file():
             return candidate
         bundled = MODELS_DIR / name
-        if path.parent == Path(".") and bundled.is_file():
+        if path.parts[:-1] in ((), ("models",)) and bundled.is_file():  # 'yolov5s.yaml', 'models/yolov5s.yaml'
             return bundled
     known = _bundled_names()
     raise UserError(f"{path}: model yaml not found.{did_you_mean(path.name, known)}"

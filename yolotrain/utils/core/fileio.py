@@ -18,13 +18,26 @@ import yaml
 
 from yolotrain.utils.core.errors import UserError
 
-# What ships with the code (hyps/, data/, models/): the checkout's top folder, or the installed package's folder.
+# What ships with the code (hyps/, data/, models/): the package's folder, in a checkout and installed alike.
 ROOT = Path(__file__).resolve().parents[2]
+# A checkout is the package's folder with train.py and pyproject.toml beside it (TOP); site-packages has neither.
+TOP = ROOT.parent
+CHECKOUT = (TOP / "train.py").is_file() and (TOP / "pyproject.toml").is_file()
 # A checkout (python train.py) writes runs into its own runs/; an installed tool into ./runs of the working
 # directory, as Ultralytics' does, never into site-packages.
-CHECKOUT = (ROOT / "train.py").is_file()
-RUNS = ROOT / "runs" if CHECKOUT else Path("runs")
+RUNS = TOP / "runs" if CHECKOUT else Path("runs")
 
+
+
+def shipped(path: str | Path, folder: str) -> Path:
+    """A path as typed, or the shipped file it names: ``hyps/hyp.scratch-low.yaml`` (YOLOv5's form, from a
+    checkout's top) and ``hyp.scratch-low.yaml`` are the package's ``folder``/name when no such file is here, so the
+    same command works in a checkout, from any folder, and installed."""
+    path = Path(path)
+    if path.exists() or path.is_absolute() or path.parts[:-1] not in ((), (folder,)):
+        return path
+    bundled = ROOT / folder / path.name
+    return bundled if bundled.is_file() else path
 
 @contextmanager
 def atomic_write(path: str | Path, mode: str = "wb", encoding: str | None = None) -> Iterator[IO]:

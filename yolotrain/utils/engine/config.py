@@ -19,6 +19,7 @@ from yolotrain.utils.core import dist, precision
 from yolotrain.utils.core.cli import ResolvedArgs
 from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.errors import UserError
+from yolotrain.utils.core.fileio import shipped
 from yolotrain.utils.core.hyp import load_hyp
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.core.runs import increment_path, latest_checkpoint
@@ -171,6 +172,7 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
     args, saved = ResolvedArgs(**size_defaults(resume.args.as_dict())), resume.saved  # --imgsz, --epochs by purpose
     model = None if saved else resume.fresh_model()
     hyp = args.hyp if saved or args.hyp else str(model.recipe.hyp)  # the family's loss-gain scale
+    hyp = hyp if saved else str(shipped(hyp, "hyps"))  # hyps/hyp.scratch-low.yaml: the shipped file, from anywhere
     save_dir = Path(args.save_dir) if saved else increment_path(Path(args.project) / args.name, args.exist_ok)
     amp = precision.amp_default(args.amp, device, legacy=saved is not None and "amp" not in saved.args)
     channels_last = precision.channels_last_default(args.channels_last, device, half=amp)
