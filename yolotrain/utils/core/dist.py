@@ -101,11 +101,30 @@ def _world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def per_rank_batch(batch_size: int, info: DistInfo, flag: str = "--batch-size") -> int:
-    """This rank's share of a global batch: every CLI's batch flag (and the API's batch=) counts all ranks."""
+@dataclass(frozen=True)
+class BatchSplit:
+    """A global batch and its share on each rank, split once: every CLI's batch flag (and the API's batch=)
+    counts all ranks; the loaders, the sampler, the recipe and the step plan take this rather than dividing or
+    multiplying back themselves."""
+
+    global_batch: int  # images per batch over all ranks
+    world_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.world_size
+
+
+def batch_split(batch_size: int, info: DistInfo, flag: str = "--batch-size") -> BatchSplit:
+    """The split of a global batch over this run's ranks; a UserError naming ``flag`` when they do not divide it."""
     if batch_size % info.world_size:
         raise UserError(f"{flag} {batch_size} must be a multiple of the world size {info.world_size}")
-    return batch_size // info.world_size
+    return BatchSplit(batch_size, info.world_size)
+
+
+def per_rank_batch(batch_size: int, info: DistInfo, flag: str = "--batch-size") -> int:
+    """This rank's share of a global batch (the inference tools' form of ``batch_split``)."""
+    return batch_split(batch_size, info, flag).per_rank
 
 
 def select_device(device: str = "", batch_size: int = 0, info: DistInfo | None = None) -> torch.device:
