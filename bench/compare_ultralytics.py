@@ -135,7 +135,7 @@ if mode == "ours-train":
     from yolotrain.app import train
     from yolotrain.utils.engine import loop
     def setup(t):
-        facts.update(optimizer=describe_optimizer(t.optimizer), params=n_params(t.model),
+        facts.update(optimizer=describe_optimizer(t.step.optimizer), params=n_params(t.step.model),
                      train_workers=t.train_loader.num_workers, val_workers=t.val_loader.num_workers,
                      mosaic_off_from_epoch=t.train_loader.sampler.mosaic_off_from_epoch, mosaic=float(t.hyp.mosaic))
     wrap(train, "build_training", "setup", setup)

@@ -19,6 +19,9 @@ images at 96 px, --imgsz 64, batch 4, 3 epochs, seed 5, one loader worker):
                (tests/scripts/nan_grad.py): two rollbacks
   v8n-micro64  yolov8n at --batch-size 64 on a 128-image set (2 batches an epoch): the short-run AdamW's
                micro-steps, four optimizer steps of 16 images per batch
+  v8n-gpu64    v8n-micro64 with --micro-steps off --augment-on device: the path a GPU user's default takes
+               (one AdamW step per batch of 64, the augmented pixels drawn by the training device), on a CPU;
+               both flags exist since e10adea (2026-11-27), so a --repo from then on runs it
 
 and records, for last.pt and best.pt, a SHA-256 of every tensor under model, ema and optimizer,
 the epoch, the metrics dict, and results.csv's text. --compare prints each difference and exits 1
@@ -60,6 +63,9 @@ def runs(v5n: str, v8n: str) -> dict[str, list[tuple[list[str], list[str], bool]
         "v8n-nan": [([*py, nan, "3,7"], ["--cfg", v8n, "--nan-recover", "2"], False)],
         "v8n-micro64": [([*py, "train.py"], ["--cfg", v8n, "--data", "{large}", "--batch-size", "64",
                                               "--val-batch-size", "16"], False)],
+        "v8n-gpu64": [([*py, "train.py"], ["--cfg", v8n, "--data", "{large}", "--batch-size", "64",
+                                            "--val-batch-size", "16", "--micro-steps", "off",
+                                            "--augment-on", "device"], False)],
     }
 
 

@@ -305,7 +305,7 @@ def time_steps(t, size: str, opt: argparse.Namespace) -> Result | None:
                 sync()
                 t3 = time.perf_counter()
                 if not opt.cuda_graphs:
-                    loss, loss_items = t.criterion(pred, batch.targets)
+                    loss, loss_items = t.step.criterion(pred, batch.targets)
                 sync()
             t4 = time.perf_counter()
             bad = ~torch.isfinite(loss_items).all()  # train.py's flag, on the device until the optimizer step

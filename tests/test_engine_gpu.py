@@ -176,25 +176,23 @@ def test_a_training_step_reads_the_device_once_per_optimizer_step(tiny_data, tmp
     from yolotrain.utils.engine.hooks import build_hooks
     from yolotrain.utils.engine.optim import LRSchedule, Warmup
     from yolotrain.utils.engine.preempt import StopRequest
-    from yolotrain.utils.engine.recover import NanRecovery
     from yolotrain.utils.engine.setup import build_training
-    from yolotrain.utils.engine.step import Step, StepOptions
+    from yolotrain.utils.engine.step import Step, StepOptions, StepParts, build_step
 
     argv = ["--data", str(tiny_data), "--project", str(tmp_path), "--imgsz", "64", "--batch-size", "4", "--workers",
             "0", "--optimizer", "SGD", "--noplots", "--no-amp", "--epochs", "1", "--seed", "1"]
     cfg = resolve_config(Resume(ResolvedArgs(**vars(train.build_parser().parse_args(argv)))), torch.device("cpu"))
     t = build_training(cfg, DistInfo(), torch.device("cpu"))
     meta = torch.device("meta")
-    model, ema = t.model.to(meta), t.ema
+    model, ema = t.step.model.to(meta), t.step.ema
     ema.ema.to(meta)
     optimizer = smart_optimizer(model, "SGD", lr=0.01, momentum=0.9, decay=5e-4)
     lr = LRSchedule(optimizer, Warmup(iters=-1, bias_lr=0.0, momentum0=0.8, momentum=0.9), 1, lrf=0.01, cos=False)
     criterion = model.detect.build_criterion(t.hyp, t.imgsz)
     plan = dataclasses.replace(t.plan, accumulate=2)
-    step = Step(model, criterion, optimizer, t.scaler, ema, lr, plan, NanRecovery(0, model, ema, optimizer, t.scaler),
-                DistInfo(), meta, StepOptions(amp=False, graphs=False, sync_bn=False, compile=False))
-    t = dataclasses.replace(t, device=meta, optimizer=optimizer, lr=lr, criterion=criterion, step=step,
-                            state=dataclasses.replace(t.state, model=model, optimizer=optimizer, lr=lr))
+    step = build_step(StepParts(model, criterion, optimizer, t.step.scaler, ema, lr), plan, DistInfo(), meta,
+                      StepOptions(amp=False, graphs=False, sync_bn=False, compile=False))
+    t = dataclasses.replace(t, device=meta, step=step, state=dataclasses.replace(t.state, device=meta))
     monkeypatch.setattr(Step, "autocast", lambda self: contextlib.nullcontext())  # autocast has no meta device
     monkeypatch.setattr(type(criterion), "packed_loss", type(criterion)._loss)  # ... nor the loss's fp32 guard
     monkeypatch.setattr(dist, "reduce_mean", lambda x: torch.zeros(x.shape))  # the epoch's one closing copy

@@ -90,7 +90,7 @@ def test_each_refused_combination_is_one_line_before_anything_is_written(case, t
 
 
 def test_graphed_steps_of_several_ranks_refuse_sync_bn():
-    from yolotrain.utils.engine.step import problems
+    from yolotrain.utils.engine.plan import problems
 
     args = train.build_parser().parse_args(["--cuda-graphs", "--sync-bn", "--batch-size", "64"])
     found = problems(args, torch.device("cuda", 0), 2, lambda: 16)

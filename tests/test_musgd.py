@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from yolotrain.utils.core.dist import BatchSplit
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.engine.muon import MuSGD, newton_schulz
 from yolotrain.utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
@@ -222,11 +223,11 @@ def test_a_toy_regression_converges():
 def test_musgd_is_chosen_by_name_and_kept_for_resume():
     from yolotrain.app import train
     hyp = Hyp(lr0=0.01, momentum=0.937, warmup_bias_lr=0.1)
-    choice = RECIPES["anchor-free"].optimizer("MuSGD", hyp, nc=80, n_images=800, batch_size=16, epochs=30)
+    choice = RECIPES["anchor-free"].optimizer("MuSGD", hyp, nc=80, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert (choice.name, choice.lr, choice.momentum, choice.warmup_bias_lr, choice.nominal_batch) == \
         ("MuSGD", 0.01, 0.937, 0.1, 64)
     assert train.parse_opt(["--optimizer", "MuSGD"]).optimizer == "MuSGD"
-    assert RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30).name == "SGD"
+    assert RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=640_000, batch=BatchSplit(64, 1), epochs=30).name == "SGD"
 
 
 def test_channels_last_weights_step_as_contiguous_ones():
@@ -251,9 +252,9 @@ def test_musgd_gives_the_class_branches_three_times_the_lr_and_warms_their_biase
     from yolotrain.models.yolo import Model
 
     hyp = Hyp(lr0=LR, momentum=MOMENTUM, warmup_bias_lr=0.1)
-    choice = RECIPES["anchor-free"].optimizer("MuSGD", hyp, nc=3, n_images=64, batch_size=16, epochs=1)
+    choice = RECIPES["anchor-free"].optimizer("MuSGD", hyp, nc=3, n_images=64, batch=BatchSplit(16, 1), epochs=1)
     assert choice.class_lr_gain == 3.0
-    assert RECIPES["anchor-free"].optimizer("SGD", hyp, 3, 64, 16, 1).class_lr_gain == 1.0
+    assert RECIPES["anchor-free"].optimizer("SGD", hyp, 3, 64, BatchSplit(16, 1), 1).class_lr_gain == 1.0
     model = Model("models/yolo26n.yaml", nc=3)
     head = model.detect
     boosted = {id(p) for m in head.class_branches() for p in m.parameters()}

@@ -13,15 +13,18 @@ from torch import nn
 
 from yolotrain.app import train
 from yolotrain.utils.core.cli import ResolvedArgs
+from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.data.loader import TrainSampler
 from yolotrain.utils.engine.budget import TimeBudget
 from yolotrain.utils.engine.config import Resume, RunConfig, resolve_config
 from yolotrain.utils.engine.recipe import RECIPES
 from yolotrain.utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, Warmup, smart_optimizer
-from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.plan import StepPlan
 from yolotrain.utils.engine.state import RunState
+from yolotrain.utils.engine.step import Step, StepOptions, StepParts, build_step
 
 NB = 5  # batches per epoch of the fake run
+CPU = torch.device("cpu")
 
 # The training-state keys of a checkpoint as this project has written them (format 1): a resume of a
 # file written by any version since must find every one it reads.
@@ -30,28 +33,49 @@ EPOCH_END_KEYS = {"epoch", "best_fitness", "model", "ema", "ema_updates", "optim
 MID_EPOCH_KEYS = EPOCH_END_KEYS | {"batches_done", "mloss", "lr_scale"}
 
 
-def _state(seed: int, nan_recover: int = 2) -> RunState:
+class _Criterion:
+    """What a step reads of its criterion when it is only trained by hand and checkpointed."""
+
+    loss_names = ("box", "cls", "dfl")
+
+
+def _run(seed: int, nan_recover: int = 2) -> tuple[RunState, Step]:
+    """A run of a toy model: the loop's state and the step that owns the model, EMA, optimizer and LR."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 2, 1))
     optimizer = smart_optimizer(model, "AdamW", lr=0.01, momentum=0.9, decay=5e-4)
-    ema = ModelEMA(model)
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
     lr = LRSchedule(optimizer, Warmup(iters=3, bias_lr=0.1, momentum0=0.8, momentum=0.9), 4, lrf=0.01, cos=False)
-    return RunState(epochs=4, batches_per_epoch=NB, model=model, ema=ema, optimizer=optimizer, scaler=scaler, lr=lr,
-                    sampler=TrainSampler(8), stopper=EarlyStopping(patience=3),
-                    recovery=NanRecovery(nan_recover, model, ema, optimizer, scaler), clock=TimeBudget(0))
+    parts = StepParts(model, _Criterion(), optimizer, torch.amp.GradScaler("cuda", enabled=False), ModelEMA(model), lr)
+    step = build_step(parts, StepPlan.of(BatchSplit(2, 1), 2, 1, 2 * NB), DistInfo(), CPU,
+                      StepOptions(amp=False, graphs=False, sync_bn=False, compile=False), nan_recover=nan_recover)
+    state = RunState(epochs=4, device=CPU, sampler=TrainSampler(8), stopper=EarlyStopping(patience=3),
+                     clock=TimeBudget(0))
+    return state, step
 
 
-def _train_steps(state: RunState, n: int) -> None:
+def _train_steps(state: RunState, step: Step, n: int) -> None:
     for _ in range(n):
-        state.lr.warmup_step(state.epoch * NB + state.batches_done, state.epoch)
-        state.recovery.remember()
-        loss = state.model(torch.rand(2, 3, 8, 8)).square().mean()
+        step.lr.warmup_step(state.epoch * NB + state.batches_done, state.epoch)
+        step.recovery.remember()
+        loss = step.model(torch.rand(2, 3, 8, 8)).square().mean()
         loss.backward()
-        state.optimizer.step()
-        state.optimizer.zero_grad()
-        state.ema.update(state.model)
+        step.optimizer_step()
         state.batches_done += 1
+
+
+def _saved(state: RunState, step: Step) -> dict:
+    mid = state.mid_epoch(NB)
+    return {**state.state_dict(mid), **step.state_dict(mid)}
+
+
+def _resumed(saved: dict, seed: int, nan_recover: int = 2, restore_mosaic: bool = True) -> tuple[RunState, Step]:
+    """Another run (other initial weights: everything must come from the checkpoint) continuing ``saved``."""
+    state, step = _run(seed, nan_recover)
+    step.model.load_state_dict(saved["model"])
+    state.load_state_dict(saved, restore_mosaic=restore_mosaic)
+    step.load_state_dict(saved, state.epoch, state.batches_done)
+    step.begin(state.epoch, state.batches_done)
+    return state, step
 
 
 def _assert_equal_states(a: dict, b: dict) -> None:
@@ -78,63 +102,68 @@ def _assert_equal(x, y, where: str) -> None:
 
 
 def test_a_mid_epoch_state_round_trips_through_its_state_dict():
-    state = _state(0)
+    state, step = _run(0)
     state.epoch, state.best_fitness = 1, 0.25
-    _train_steps(state, 3)
-    state.lr.halve()  # --nan-recover's scale for the rest of the epoch
-    state.mloss = torch.tensor([0.5, 0.25, 0.125])
+    _train_steps(state, step, 3)
+    step.lr.halve()  # --nan-recover's scale for the rest of the epoch
+    step.mloss = torch.tensor([0.5, 0.25, 0.125])
+    step.agree_loss()  # what a mid-epoch save records: the running loss over ranks (one rank here)
     state.sampler.close_mosaic_from(2)
     state.stopper(1, 0.25)
     state.clock.epoch_seconds = [12.5]
-    saved = state.state_dict()
+    saved = _saved(state, step)
     assert set(saved) == MID_EPOCH_KEYS | {"nan_recovery"}
     assert (saved["epoch"], saved["batches_done"], saved["lr_scale"]) == (0, 3, 0.5)  # one epoch done, 3 batches
 
-    resumed = _state(1)  # other initial weights: everything must come from the checkpoint
-    resumed.model.load_state_dict(saved["model"])
-    resumed.load_state_dict(saved, restore_mosaic=True)
+    resumed, again = _resumed(saved, seed=1)
     assert (resumed.epoch, resumed.batches_done, resumed.resumed, resumed.best_fitness) == (1, 3, True, 0.25)
-    assert torch.equal(resumed.mloss, state.mloss) and resumed.lr.scale == 0.5 and resumed.lr.epoch == 1
-    assert resumed.lr.values() == state.lr.values() and resumed.clock.epoch_seconds == [12.5]
-    assert resumed.sampler.mosaic_off_from_epoch == 2 and resumed.recovery.used == 0
-    _assert_equal_states(resumed.state_dict(), saved)
+    assert torch.equal(again.mloss, step.mloss) and again.lr.scale == 0.5 and again.lr.epoch == 1
+    assert again.lr.values() == step.lr.values() and resumed.clock.epoch_seconds == [12.5]
+    assert resumed.sampler.mosaic_off_from_epoch == 2 and again.recovery.used == 0
+    assert again.last_opt_step == 1 * NB + 3 - 1  # the cursor: the step before batch 4 of epoch 2
+    _assert_equal_states(_saved(resumed, again), saved)
 
 
 def test_an_epoch_end_checkpoint_records_the_epoch_and_no_cursor():
-    state = _state(0, nan_recover=0)
-    _train_steps(state, NB)
-    saved = state.state_dict()
+    state, step = _run(0, nan_recover=0)
+    _train_steps(state, step, NB)
+    saved = _saved(state, step)
     assert set(saved) == EPOCH_END_KEYS and saved["epoch"] == 0  # the epoch just finished
-    resumed = _state(0, nan_recover=0)
-    resumed.load_state_dict(saved, restore_mosaic=False)
-    assert (resumed.epoch, resumed.batches_done, resumed.mloss, resumed.lr.scale) == (1, 0, None, 1.0)
+    resumed, again = _resumed(saved, seed=0, nan_recover=0, restore_mosaic=False)
+    assert (resumed.epoch, resumed.batches_done, again.agreed, again.lr.scale) == (1, 0, None, 1.0)
+    assert not again.mloss.any()  # a new epoch's running loss starts at zero
 
 
 def test_the_close_mosaic_epoch_is_restored_only_when_asked():
     """A --time run keeps the close_mosaic epoch it had moved; other runs recompute it from --epochs (which a
     resume may have raised)."""
-    state = _state(0)
+    state, step = _run(0)
     state.sampler.close_mosaic_from(1)
-    _train_steps(state, NB)
-    saved = state.state_dict()
+    _train_steps(state, step, NB)
+    saved = _saved(state, step)
     for restore, want in ((True, 1), (False, 7)):
-        resumed = _state(0)
+        resumed, _ = _run(0)
         resumed.sampler.close_mosaic_from(7)
         resumed.load_state_dict(saved, restore_mosaic=restore)
         assert resumed.sampler.mosaic_off_from_epoch == want
 
 
-def test_replan_refits_the_lr_and_close_mosaic_and_keeps_a_closed_mosaic_closed():
-    state = _state(0)
+def test_replan_refits_close_mosaic_and_keeps_a_closed_mosaic_closed():
+    state, _ = _run(0)
     state.sampler.close_mosaic_from(3)
     state.epoch = 0
-    state.lr.next_epoch()
     state.replan(9, close_mosaic=2)
     assert state.epochs == 9 and state.sampler.mosaic_off_from_epoch == 7
-    assert state.lr.values()[1] == pytest.approx(0.01 * ((1 - 1 / 9) * 0.99 + 0.01))
     state.epoch = 7  # mosaic closed from epoch 7: a later, longer plan leaves it closed
     state.replan(20, close_mosaic=2)
     assert state.sampler.mosaic_off_from_epoch == 7
+
+
+def test_the_lr_schedule_refits_to_the_new_length():
+    _, step = _run(0)
+    step.lr.next_epoch()
+    step.lr.refit(9)
+    assert step.lr.values()[1] == pytest.approx(0.01 * ((1 - 1 / 9) * 0.99 + 0.01))
 
 
 def test_the_run_config_is_frozen_and_resolved_once(tmp_path):
@@ -243,7 +272,7 @@ def test_a_short_run_trains_about_half_its_epochs_in_mosaics():
     assert mosaic_off_from(10, 8) == 4 and mosaic_off_from(10, 7) == 3  # at most half, rounded up: 3 of 7
     assert mosaic_off_from(10, 1) == 0 and mosaic_off_from(3, 2) == 1  # a 1-epoch run closes it throughout
     assert mosaic_off_from(0, 7) == 7
-    state = _state(0)
+    state, _ = _run(0)
     state.epoch = 0
     state.replan(6, close_mosaic=10)  # --time's refit follows the same rule
     assert state.sampler.mosaic_off_from_epoch == 3

@@ -10,7 +10,7 @@ import torch
 
 from yolotrain.models.heads.base import Ranks
 from yolotrain.models.yolo import Model
-from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
@@ -61,8 +61,8 @@ def _shapes(n: int, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 def test_a_source_of_ones_own_trains_an_epoch_through_the_normal_loader(one_thread):
     from yolotrain.utils.engine.optim import LRSchedule, ModelEMA, Warmup, smart_optimizer
-    from yolotrain.utils.engine.recover import NanRecovery
-    from yolotrain.utils.engine.step import Step, StepOptions, StepPlan
+    from yolotrain.utils.engine.plan import StepPlan
+    from yolotrain.utils.engine.step import StepOptions, StepParts, build_step
 
     source = MemorySource(*_shapes(16))
     assert isinstance(source, SplitSource) and open_split(source) is source  # given as it is, never sniffed
@@ -72,14 +72,14 @@ def test_a_source_of_ones_own_trains_an_epoch_through_the_normal_loader(one_thre
     torch.manual_seed(0)
     model = Model("yolov8n.yaml", nc=3).train()
     optimizer = smart_optimizer(model, "AdamW", lr=0.002, momentum=0.9, decay=5e-4)
-    ema, scaler = ModelEMA(model), torch.amp.GradScaler("cpu", enabled=False)
+    ema = ModelEMA(model)
     lr = LRSchedule(optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), 1, lrf=0.01, cos=False)
-    plan = StepPlan.of(4, 1, 4, 1, 16)  # a step every batch
-    step = Step(model, model.detect.build_criterion(Hyp(), 64), optimizer, scaler, ema, lr, plan,
-                NanRecovery(0, model, ema, optimizer, scaler), DistInfo(), torch.device("cpu"),
-                StepOptions(amp=False, graphs=False, sync_bn=False, compile=False))
+    parts = StepParts(model, model.detect.build_criterion(Hyp(), 64), optimizer,
+                      torch.amp.GradScaler("cpu", enabled=False), ema, lr)
+    step = build_step(parts, StepPlan.of(BatchSplit(4, 1), 4, 1, 16), DistInfo(), torch.device("cpu"),  # a step a batch
+                      StepOptions(amp=False, graphs=False, sync_bn=False, compile=False))
     before = [p.detach().clone() for p in model.parameters()]
-    step.begin(0, 0, None)
+    step.begin(0, 0)
     for i, batch in enumerate(loader):
         assert batch.images.shape == (4, 3, 64, 64) and batch.paths[0].startswith("memory/")
         out = step(batch.images.float() / 255, batch.targets, i, meanwhile=lambda: None, ask=lambda: (False, False))

@@ -137,26 +137,38 @@ def test_without_the_option_a_non_finite_loss_stops_and_points_to_it(tiny_data, 
 # ---------------------------------------------------------------- --time
 
 
-def _fake_run(epochs: int, hours: float, close_mosaic: int = 2) -> RunState:
-    """A run state with the parts --time touches: an SGD LR schedule, a sampler and the time budget."""
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
-    lr = LRSchedule(optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), epochs, lrf=0.01, cos=False)
-    return RunState(epochs=epochs, batches_per_epoch=1, model=None, ema=None, optimizer=optimizer, scaler=None, lr=lr,
-                    sampler=TrainSampler(8), stopper=None, recovery=None, clock=TimeBudget(hours))
+class _FakeRun:
+    """The parts --time touches: the run state (its epochs, sampler and time budget) and an SGD LR schedule."""
+
+    def __init__(self, epochs: int, hours: float) -> None:
+        self.optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01, momentum=0.9)
+        self.lr = LRSchedule(self.optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), epochs,
+                             lrf=0.01, cos=False)
+        self.state = RunState(epochs=epochs, device=torch.device("cpu"), sampler=TrainSampler(8), stopper=None,
+                              clock=TimeBudget(hours))
+
+    def __getattr__(self, name):  # the state's fields, as run_epochs reads them
+        return getattr(self.state, name)
 
 
-def _after_epoch(state: RunState, epoch: int, spent: float, seconds: float, close_mosaic: int = 2) -> None:
+def _fake_run(epochs: int, hours: float, close_mosaic: int = 2) -> _FakeRun:
+    return _FakeRun(epochs, hours)
+
+
+def _after_epoch(run: _FakeRun, epoch: int, spent: float, seconds: float, close_mosaic: int = 2) -> None:
     """What run_epochs does after ``epoch``, which took ``seconds``, with ``spent`` seconds of the budget used."""
+    state = run.state
     state.epoch = epoch
-    state.lr.next_epoch()
+    run.lr.next_epoch()
     state.clock.seconds_before, state.clock.started = spent, time.time()
     fits = state.clock.end_epoch(epoch + 1, state.epochs, seconds, DistInfo(), close_mosaic)
     if fits is not None:
         state.replan(fits, close_mosaic)
+        run.lr.refit(fits)
 
 
-def _lr(state: RunState) -> float:
-    return state.optimizer.param_groups[0]["lr"]
+def _lr(run: _FakeRun) -> float:
+    return run.optimizer.param_groups[0]["lr"]
 
 
 def test_time_budget_fits_the_epochs_the_schedule_and_close_mosaic():

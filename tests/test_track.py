@@ -259,14 +259,23 @@ def test_the_sender_keeps_records_through_an_outage_and_warns_once(restore_logge
 
 
 def test_the_run_state_saves_the_tracker_ids_only_when_set():
-    from tests.test_run_state import _state
+    import torch
 
-    state = _state(0, nan_recover=0)
-    assert "tracking" not in state.state_dict()
+    from yolotrain.utils.data.loader import TrainSampler
+    from yolotrain.utils.engine.budget import TimeBudget
+    from yolotrain.utils.engine.optim import EarlyStopping
+    from yolotrain.utils.engine.state import RunState
+
+    def fresh() -> RunState:
+        return RunState(epochs=2, device=torch.device("cpu"), sampler=TrainSampler(8),
+                        stopper=EarlyStopping(patience=3), clock=TimeBudget(0))
+
+    state = fresh()
+    assert "tracking" not in state.state_dict(mid_epoch=False)
     state.tracking["mlflow_run_id"] = "abc"
-    saved = state.state_dict()
+    saved = state.state_dict(mid_epoch=False)
     assert saved["tracking"] == {"mlflow_run_id": "abc"}
-    resumed = _state(0, nan_recover=0)
+    resumed = fresh()
     resumed.load_state_dict(saved, restore_mosaic=False)
     assert resumed.tracking == {"mlflow_run_id": "abc"}
     del saved["tracking"]  # a checkpoint from before tracking loads

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from yolotrain.utils.core.dist import BatchSplit
 from yolotrain.models.heads.anchor_loss import AnchorLossGains
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.engine.loop import rescale_batch
@@ -92,26 +93,26 @@ def test_a_run_reads_its_model_yaml_once(monkeypatch):
 def test_optimizer_auto_follows_each_family_and_the_schedule_length():
     from yolotrain.utils.engine.recipe import AUTO_SGD_ITERATIONS, RECIPES, SHORT_LR_GAIN, SHORT_LR_MAX
     hyp = Hyp(lr0=0.02, momentum=0.95, warmup_bias_lr=0.2)
-    yolov5 = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
+    yolov5 = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert (yolov5.name, yolov5.lr, yolov5.momentum, yolov5.warmup_bias_lr) == ("SGD", 0.02, 0.95, 0.2)
-    short = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
+    short = RECIPES["anchor-free"].optimizer("auto", hyp, nc=11, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert (short.name, short.lr, short.momentum, short.warmup_bias_lr) == ("AdamW", 0.000667 * SHORT_LR_GAIN, 0.9, 0.0)
     assert "390 steps of 64 images" in short.reason  # ceil(800 / 64) * 30
     assert "lr 0.002 * 5 / (4 + 11 classes) x 4 (at most 0.004)" in short.reason
-    e2e = RECIPES["end-to-end"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
+    e2e = RECIPES["end-to-end"].optimizer("auto", hyp, nc=11, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert (e2e.name, e2e.momentum, e2e.nominal_batch) == ("AdamW", 0.9, 16)
     assert e2e.lr == short.lr  # one short-run rule for both families
-    few = RECIPES["anchor-free"].optimizer("auto", hyp, nc=1, n_images=800, batch_size=16, epochs=30)
+    few = RECIPES["anchor-free"].optimizer("auto", hyp, nc=1, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert few.lr == SHORT_LR_MAX  # 4 x 0.002 capped
-    e2e_long = RECIPES["end-to-end"].optimizer("auto", hyp, nc=80, n_images=640_000, batch_size=64, epochs=30)
+    e2e_long = RECIPES["end-to-end"].optimizer("auto", hyp, nc=80, n_images=640_000, batch=BatchSplit(64, 1), epochs=30)
     assert (e2e_long.name, e2e_long.lr) == ("SGD", 0.01)  # long runs: the anchor-free recipe as it is
     steps_per_epoch = 1000  # 64,000 images at the nominal batch of 64
     epochs = AUTO_SGD_ITERATIONS // steps_per_epoch + 1
-    long = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=64, epochs=epochs)
+    long = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch=BatchSplit(64, 1), epochs=epochs)
     assert (long.name, long.lr, long.momentum) == ("SGD", 0.01, 0.9)
-    at_limit = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch_size=16, epochs=epochs - 1)
+    at_limit = RECIPES["anchor-free"].optimizer("auto", hyp, nc=80, n_images=64_000, batch=BatchSplit(16, 1), epochs=epochs - 1)
     assert at_limit.name == "AdamW"
-    named = RECIPES["anchor-free"].optimizer("AdamW", hyp, nc=11, n_images=800, batch_size=16, epochs=30)
+    named = RECIPES["anchor-free"].optimizer("AdamW", hyp, nc=11, n_images=800, batch=BatchSplit(16, 1), epochs=30)
     assert (named.name, named.lr, named.momentum, named.warmup_bias_lr) == ("AdamW", 0.02, 0.95, 0.2)
     # only the short-run AdamW steps every 16 images; the SGD recipes and named optimizers accumulate to 64
     assert short.nominal_batch == 16 and "a step every 16 images" in short.reason
@@ -126,10 +127,10 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     hyp = Hyp()
 
     def auto(batch: int, ranks: int = 1, family: str = "anchor-free", nc: int = 11):
-        return RECIPES[family].optimizer("auto", hyp, nc=nc, n_images=800, batch_size=batch, epochs=30, ranks=ranks)
+        return RECIPES[family].optimizer("auto", hyp, nc=nc, n_images=800, batch=BatchSplit(batch, ranks), epochs=30)
 
-    assert [steps_per_batch(b, 1) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
-    assert [steps_per_batch(128, r) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
+    assert [steps_per_batch(BatchSplit(b, 1)) for b in (8, 16, 32, 64, 128, 256)] == [1, 1, 2, 4, 8, 16]
+    assert [steps_per_batch(BatchSplit(128, r)) for r in (1, 2, 4, 8, 16)] == [8, 8, 4, 2, 1]
     assert len({auto(b).lr for b in (8, 16, 32, 64, 128, 256)}) == 1  # every step sees 16 images
     assert (auto(64).steps_per_batch, auto(16).steps_per_batch, auto(8).steps_per_batch) == (4, 1, 1)
     spread = auto(128, ranks=8, nc=80)  # 16 per rank: 2 steps of 64 images
@@ -139,7 +140,7 @@ def test_a_short_run_at_a_large_batch_keeps_the_batch_16_steps():
     assert "8 optimizer steps per batch of 128 (a step per 16 images), the batch-16 run's steps" in auto(128).reason
     assert auto(64, family="end-to-end", nc=1).lr == SHORT_LR_MAX  # already at the cap
     assert auto(128, ranks=8, nc=80) == spread
-    sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch_size=128, epochs=30, ranks=8)
+    sgd = RECIPES["anchor-based"].optimizer("auto", hyp, nc=11, n_images=800, batch=BatchSplit(128, 8), epochs=30)
     assert (sgd.lr, sgd.steps_per_batch) == (hyp.lr0, 1)  # YOLOv5's SGD recipe is unchanged
 
 
@@ -153,13 +154,13 @@ def test_micro_steps_are_on_for_a_cpu_and_off_on_cuda_unless_asked():
     assert micro_steps_default("on", torch.device("cuda", 0)) == "on"
     assert micro_steps_default("off", torch.device("cpu")) == "off"
     rule = RECIPES["anchor-free"]
-    on = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, step_images=16)
-    off = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=64, epochs=30, step_images=0)
+    on = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(64, 1), epochs=30, step_images=16)
+    off = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(64, 1), epochs=30, step_images=0)
     assert (on.steps_per_batch, off.steps_per_batch) == (4, 1)
     assert off.lr == round(on.lr * 4, 7)  # 64 images a step: the linear rule
     assert "a step every batch of 64 images (--micro-steps off; on: a step per 16 images)" in off.reason
-    small = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30, step_images=0)
-    assert small == rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=16, epochs=30)  # nothing to cut
+    small = rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(16, 1), epochs=30, step_images=0)
+    assert small == rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(16, 1), epochs=30)  # nothing to cut
 
 
 def test_micro_steps_of_n_images_cut_a_large_batch_into_steps_of_n():
@@ -175,7 +176,7 @@ def test_micro_steps_of_n_images_cut_a_large_batch_into_steps_of_n():
     rule = RECIPES["anchor-free"]
 
     def auto(batch: int, step_images: int, ranks: int = 1):
-        return rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch_size=batch, epochs=30, ranks=ranks,
+        return rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(batch, ranks), epochs=30,
                               step_images=step_images)
 
     one = auto(64, 0)
@@ -194,32 +195,32 @@ def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
     """Micro-steps of 16 at batch 64: 800 images take 50 steps an epoch, the short last batch of 32 two of 16,
     and the warmup ticks run through them one for one as the batch-16 run's batches; without micro-steps a
     tick is a batch."""
-    from yolotrain.utils.engine.step import StepPlan
-    plan = StepPlan.of(64, 1, 16, 4, 800)
+    from yolotrain.utils.engine.plan import StepPlan
+    plan = StepPlan.of(BatchSplit(64, 1), 16, 4, 800)
     assert (plan.parts, plan.part, plan.ticks_per_epoch, plan.batches_per_epoch) == (4, 16, 50, 13)
     assert (plan.accumulate, plan.images_per_step, plan.images_per_tick) == (1, 16, 16)
     assert plan.slices(64) == [slice(0, 16), slice(16, 32), slice(32, 48), slice(48, 64)]
     assert plan.slices(32) == [slice(0, 16), slice(16, 32)]  # the epoch's last batch, as two of batch 16's
     assert [s.stop - s.start for s in plan.slices(20)] == [10, 10] and plan.slices(3) == [slice(0, 3)]
     assert [plan.tick(1, i, j) for i, j in ((0, 0), (0, 3), (1, 0), (12, 1))] == [50, 53, 54, 99]
-    assert sorted(s.stop - s.start for s in StepPlan.of(100, 1, 16, 6, 100).slices(100)) == [16, 16, 17, 17, 17, 17]
-    whole = StepPlan.of(16, 1, 16, 1, 800)
+    assert sorted(s.stop - s.start for s in StepPlan.of(BatchSplit(100, 1), 16, 6, 100).slices(100)) == [16, 16, 17, 17, 17, 17]
+    whole = StepPlan.of(BatchSplit(16, 1), 16, 1, 800)
     assert (whole.parts, whole.ticks_per_epoch, whole.slices(16), whole.tick(2, 5)) == (1, 50, [slice(0, 16)], 105)
-    assert StepPlan.of(16, 1, 16, 1, 801).ticks_per_epoch == 51  # a last batch of one image is a tick too
-    two = StepPlan.of(128, 2, 16, 4, 400)  # two ranks: each cuts its 64 into four parts
+    assert StepPlan.of(BatchSplit(16, 1), 16, 1, 801).ticks_per_epoch == 51  # a last batch of one image is a tick too
+    two = StepPlan.of(BatchSplit(128, 2), 16, 4, 400)  # two ranks: each cuts its 64 into four parts
     assert (two.per_rank_batch, two.parts, two.part, two.batches_per_epoch, two.images_per_step) == (64, 4, 16, 7, 32)
 
 
 def test_accumulation_follows_the_chosen_step_size():
     """SGD gathers 64 images a step, the short run's AdamW 16; the plan and the summary read images per step from
     one place."""
-    from yolotrain.utils.engine.step import StepPlan, accumulate_steps
+    from yolotrain.utils.engine.plan import StepPlan, accumulate_steps
     assert [accumulate_steps(b, 64) for b in (1, 8, 16, 32, 64, 128)] == [64, 8, 4, 2, 1, 1]
     assert [accumulate_steps(b, 16) for b in (1, 4, 8, 16, 64)] == [16, 4, 2, 1, 1]
-    sgd = StepPlan.of(16, 1, 64, 1, 800)
+    sgd = StepPlan.of(BatchSplit(16, 1), 64, 1, 800)
     assert (sgd.accumulate, sgd.images_per_step, sgd.images_per_tick) == (4, 64, 16)
     assert sgd.describe() == "accumulate 4 (a step per 64 images)"
-    assert StepPlan.of(64, 1, 16, 4, 800).describe() == "4 optimizer steps per batch (a step per 16 images)"
+    assert StepPlan.of(BatchSplit(64, 1), 16, 4, 800).describe() == "4 optimizer steps per batch (a step per 16 images)"
     assert {k: sgd.record()[k] for k in ("global_batch", "per_rank_batch", "images_per_step")} == {
         "global_batch": 16, "per_rank_batch": 16, "images_per_step": 64}
 
@@ -232,7 +233,7 @@ def test_a_resume_keeps_the_runs_optimizer_choice():
 
     from yolotrain.utils.engine.recipe import RECIPES
     from yolotrain.utils.engine.state import SavedRun
-    choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc=3, n_images=100, batch_size=16, epochs=10)
+    choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc=3, n_images=100, batch=BatchSplit(16, 1), epochs=10)
     assert SavedRun(Path("last.pt"), {"optimizer_choice": asdict(choice)}).optimizer_choice == choice
     saved_before = {k: v for k, v in asdict(choice).items() if k != "nominal_batch"}  # runs before the short-run step
     assert SavedRun(Path("last.pt"), {"optimizer_choice": saved_before}).optimizer_choice.nominal_batch == 64
@@ -283,32 +284,32 @@ def test_warmup_is_yolov5s_but_at_most_a_tenth_of_a_run_above_its_floor():
 def test_the_summary_says_how_a_batch_becomes_steps_and_why_and_names_an_unused_flag():
     """One line per run on how a batch becomes optimizer steps on this device and why; a --micro-steps the run's
     optimizer does not use is said at start, never silently ignored (an auto one, resolved by the device, is not)."""
-    from yolotrain.utils.engine.step import StepPlan, explain
+    from yolotrain.utils.engine.plan import StepPlan, explain
     hyp, rule = Hyp(), RECIPES["anchor-free"]
-    short = rule.optimizer("auto", hyp, nc=80, n_images=800, batch_size=64, epochs=30, step_images=16)
-    line, unused = explain(StepPlan.of(64, 1, 16, short.steps_per_batch, 800), short, "on", by_device=True)
+    short = rule.optimizer("auto", hyp, nc=80, n_images=800, batch=BatchSplit(64, 1), epochs=30, step_images=16)
+    line, unused = explain(StepPlan.of(BatchSplit(64, 1), 16, short.steps_per_batch, 800), short, "on", by_device=True)
     assert line.startswith("4 optimizer steps per batch (a step per 16 images) at global batch 64: the short run's "
                            "AdamW takes the batch-16 run's steps") and "on for a CPU" in line and unused is None
-    off = rule.optimizer("auto", hyp, nc=80, n_images=800, batch_size=64, epochs=30, step_images=0)
-    line, _ = explain(StepPlan.of(64, 1, 16, off.steps_per_batch, 800), off, "off", by_device=True)
+    off = rule.optimizer("auto", hyp, nc=80, n_images=800, batch=BatchSplit(64, 1), epochs=30, step_images=0)
+    line, _ = explain(StepPlan.of(BatchSplit(64, 1), 16, off.steps_per_batch, 800), off, "off", by_device=True)
     assert line.endswith("one AdamW step per batch (--micro-steps auto: off on CUDA, where each step has a fixed "
                          "cost; on takes the batch-16 run's steps)")
-    sgd = rule.optimizer("SGD", hyp, nc=80, n_images=800, batch_size=64, epochs=30)
-    line, unused = explain(StepPlan.of(64, 1, 64, 1, 800), sgd, "on", by_device=False)
+    sgd = rule.optimizer("SGD", hyp, nc=80, n_images=800, batch=BatchSplit(64, 1), epochs=30)
+    line, unused = explain(StepPlan.of(BatchSplit(64, 1), 64, 1, 800), sgd, "on", by_device=False)
     assert line.endswith("SGD gathers 64 images a step")
     assert unused.startswith("WARNING: --micro-steps on has no effect") and "this run trains SGD" in unused
-    assert explain(StepPlan.of(64, 1, 64, 1, 800), sgd, "on", by_device=True)[1] is None  # auto: nobody asked
+    assert explain(StepPlan.of(BatchSplit(64, 1), 64, 1, 800), sgd, "on", by_device=True)[1] is None  # auto: nobody asked
 
 
 def test_a_rank_batch_too_small_for_batchnorm_is_said_at_start_with_what_to_do():
     """The default global --batch-size 16 on 8 GPUs is 2 images per rank: said, with the batch or --sync-bn to
     use; one process, 8 images a rank, or SyncBatchNorm in use say nothing."""
-    from yolotrain.utils.engine.step import StepPlan
+    from yolotrain.utils.engine.plan import StepPlan
     from yolotrain.utils.engine.summary import small_batch_warning
-    warning = small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), sync_bn=False)
+    warning = small_batch_warning(StepPlan.of(BatchSplit(16, 8), 64, 1, 100), sync_bn=False)
     assert warning == ("WARNING: each rank's batch is 2 images (global --batch-size 16 over 8 ranks): BatchNorm's "
                        "statistics from so few images are noisy and can cost accuracy. Give at least 8 per rank "
                        "(--batch-size 64), or --sync-bn on CUDA to normalise over every rank's images")
-    assert small_batch_warning(StepPlan.of(16, 8, 64, 1, 100), sync_bn=True) is None
-    assert small_batch_warning(StepPlan.of(64, 8, 64, 1, 100), sync_bn=False) is None
-    assert small_batch_warning(StepPlan.of(4, 1, 64, 1, 100), sync_bn=False) is None
+    assert small_batch_warning(StepPlan.of(BatchSplit(16, 8), 64, 1, 100), sync_bn=True) is None
+    assert small_batch_warning(StepPlan.of(BatchSplit(64, 8), 64, 1, 100), sync_bn=False) is None
+    assert small_batch_warning(StepPlan.of(BatchSplit(4, 1), 64, 1, 100), sync_bn=False) is None

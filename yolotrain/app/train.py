@@ -37,7 +37,7 @@ from yolotrain.utils.engine.loop import run_epochs
 from yolotrain.utils.engine.preempt import StopRequest
 from yolotrain.utils.engine.setup import Training, build_training
 from yolotrain.utils.engine.state import SavedRun, StopReason, TrainResult, hand_back, train_result
-from yolotrain.utils.engine.step import BN_BATCH_FLOOR
+from yolotrain.utils.engine.plan import BN_BATCH_FLOOR
 from yolotrain.utils.engine.summary import log_end_summary, log_start_summary
 from yolotrain.utils.engine.track import check_packages
 from yolotrain.app.search import Trainer
@@ -166,7 +166,7 @@ def main(opt: argparse.Namespace, callbacks: Callbacks | None = None) -> TrainRe
     with StopRequest() as stop, RunPrologue(opt.local_rank, opt.threads, claim=True) as run:
         resume = resolve_resume(opt, defaults=vars(build_parser().parse_args([])))  # the saved run's arguments merged
         check_packages(resume.args)  # --tensorboard, --mlflow: their packages, before anything starts
-        device = run.start(resume.args.device, resume.args.batch_size, resume.args.hang_timeout)
+        device = run.start(resume.args.device, 0, resume.args.hang_timeout)  # the batch: checked in resolve_config
         precision.set_determinism(resume.args.deterministic,
                                   fixed_shapes=not (resume.args.rect or resume.args.multi_scale))
         if device.type == "cpu":

@@ -17,7 +17,7 @@ import torch
 from yolotrain.models.parse import MODELS_DIR, load_model_yaml
 from yolotrain.utils.core import dist, precision
 from yolotrain.utils.core.cli import ResolvedArgs
-from yolotrain.utils.core.dist import DistInfo
+from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.fileio import shipped
 from yolotrain.utils.core.hyp import load_hyp
@@ -28,7 +28,7 @@ from yolotrain.utils.engine.autobatch import AUTO_BATCH, auto_batch_size
 from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH
 from yolotrain.utils.engine.recipe import Recipe, recipe_for
 from yolotrain.utils.engine.state import SavedRun
-from yolotrain.utils.engine.step import problems as step_problems
+from yolotrain.utils.engine.plan import problems as step_problems
 from yolotrain.utils.weights.checkpoint import WeightsSource, load_weights_source, to_plain
 
 DEFAULT_MODEL = MODELS_DIR / "yolov8n.yaml"  # the best mAP in the quick CPU run (docs/benchmarks.md)
@@ -181,7 +181,8 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
         batch = auto_batch_size(saved.model_yaml if saved else model.yaml, _classes(args), load_hyp(hyp), args,
                                 device, info.world_size, amp, channels_last)
     val_batch = args.val_batch_size or 2 * batch  # YOLOv5's in-training rule: twice the training batch
-    dist.per_rank_batch(val_batch, info, "--val-batch-size")
+    dist.batch_split(batch, info)  # both global batches split over the ranks: the one check, before any work
+    dist.batch_split(val_batch, info, "--val-batch-size")
     given = args.as_dict()
     by_device = [k for k in BY_DEVICE if given[k] == "auto"] + [  # on a resume, what was auto then and stands
         k for k in (saved.args.get("by_device") or [] if saved else []) if given[k] == saved.args.get(k)]
@@ -202,7 +203,7 @@ def _nominal_batch(cfg: RunConfig, saved: SavedRun | None, model: ModelSource | 
         return saved.optimizer_choice.nominal_batch if saved.optimizer_choice else NOMINAL_BATCH
     data = load_data_config(cfg.data)
     return model.recipe.optimizer(cfg.optimizer, load_hyp(cfg.hyp), 1 if cfg.single_cls else data.nc,
-                                  count_images(data), cfg.batch_size, cfg.epochs, world_size,
+                                  count_images(data), BatchSplit(cfg.batch_size, world_size), cfg.epochs,
                                   step_images=micro_step_images(cfg.micro_steps)).nominal_batch
 
 

@@ -106,8 +106,8 @@ class RunEvents:
         (read here only when someone listens)."""
         if self.wants("on_train_batch_end"):
             values = mloss.tolist() if isinstance(mloss, torch.Tensor) else list(mloss)
-            self.emit("on_train_batch_end", iteration=ni, stepped=stepped, lr=self.t.lr.values(),
-                      losses=dict(zip(self.t.criterion.loss_names, values)))
+            self.emit("on_train_batch_end", iteration=ni, stepped=stepped, lr=self.t.step.lr.values(),
+                      losses=dict(zip(self.t.step.criterion.loss_names, values)))
 
     def val_end(self, result: EvalResult | None) -> None:
         if result is not None and self.wants("on_val_end"):

@@ -180,7 +180,7 @@ class EpochEnd:
 
     def __init__(self, t: Training, checkpointer: Checkpointer, events: RunEvents) -> None:
         self.t, self.checkpointer, self.events = t, checkpointer, events
-        names = t.criterion.loss_names
+        names = t.step.criterion.loss_names
         self.csv = ResultsCSV(t.save_dir / "results.csv", loss_names=names)
         if t.info.is_main and t.state.resumed:
             self.csv.truncate_after(t.state.epoch - 1)
@@ -200,13 +200,13 @@ class EpochEnd:
         self.checkpointer.save_epoch(t, is_best)
         self.events.emit("on_fit_epoch_end", row=row, metrics=metric_summary(result) if result else {},
                          fitness=fitness if result else None, is_best=is_best,
-                         lr=lrs, losses=dict(zip(t.criterion.loss_names, mloss.tolist())))
+                         lr=lrs, losses=dict(zip(t.step.criterion.loss_names, mloss.tolist())))
         return dist.broadcast_object(EpochVerdict(early=early, asked=self.events.stop.asked))
 
     def _log(self, mloss: torch.Tensor, lrs: list[float], result: EvalResult | None) -> dict[str, float]:
         """The results.csv row and the log line; returns the row."""
         t, state = self.t, self.t.state
-        m, names = state.metrics, t.criterion.loss_names
+        m, names = state.metrics, t.step.criterion.loss_names
         row = {f"train/{n}_loss": v for n, v in zip(names, mloss.tolist())}
         row.update(ResultsCSV.metric_row(m if result else None))
         row.update({f"val/{n}_loss": v for n, v in zip(names, result.loss if result else [0.0] * len(names))})

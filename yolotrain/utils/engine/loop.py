@@ -3,8 +3,9 @@
 ``train_one_epoch`` reads like YOLOv5's loop, with the step in one call: for each batch, the step
 (utils/engine/step.py: warmup, forward, loss, backward, an optimizer step when one is due, EMA), then
 the side concerns (the progress bar, the events, a mid-epoch checkpoint when a stop or --save-interval
-asks for one). Where the run stands lives in the run state (``t.state``, utils/engine/state.py); what
-stays fixed for the run in ``Training`` (utils/engine/setup.py).
+asks for one). What the step changes it owns (``t.step``, utils/engine/step.py); where the run stands lives in
+the run state (``t.state``, utils/engine/state.py); what stays fixed for the run in ``Training``
+(utils/engine/setup.py).
 """
 from __future__ import annotations
 
@@ -44,27 +45,28 @@ class EpochEnded:
 def run_epochs(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> Stop:
     """The run's epochs from where its state stands: train, validate on every rank, record and save;
     returns why it stopped. ``watch`` hears of each phase (loader, step, validation, save)."""
-    state, close = t.state, int(t.hyp.close_mosaic)
+    state, step, close = t.state, t.step, int(t.hyp.close_mosaic)
     first_epoch, verdict = state.epoch, EpochVerdict()
     while state.epoch < state.epochs:  # --time may change state.epochs after each epoch
         t_epoch, first = time.time(), state.batches_done
         t.train_loader.sampler.set_epoch(state.epoch, skip=first * t.plan.per_rank_batch)
         if state.epoch == t.train_loader.sampler.mosaic_off_from_epoch:
             LOGGER.info(f"Closing mosaic: the last {state.epochs - state.epoch} epochs train without it")
-        t.criterion.set_progress(state.epoch, state.epochs)  # a loss that follows the schedule (YOLO26's ProgLoss)
-        hooks.events.emit("on_train_epoch_start", lr=t.lr.values())
+        step.criterion.set_progress(state.epoch, state.epochs)  # a loss that follows the schedule (YOLO26's ProgLoss)
+        hooks.events.emit("on_train_epoch_start", lr=step.lr.values())
         ended = train_one_epoch(t, hooks, stop, watch)
         if ended.stop is not None:
             return ended.stop
-        lrs = t.lr.values()
-        hooks.events.emit("on_train_epoch_end", lr=lrs, losses=dict(zip(t.criterion.loss_names, ended.mloss.tolist())))
-        t.lr.next_epoch()
+        lrs = step.lr.values()
+        hooks.events.emit("on_train_epoch_end", lr=lrs, losses=dict(zip(step.criterion.loss_names, ended.mloss.tolist())))
+        step.lr.next_epoch()
         with watch.phase("validation", f"epoch {state.epoch + 1}"):  # each batch is progress
             result = validate(t)
             seconds = None if first else time.time() - t_epoch  # a resumed part of an epoch is no epoch's time
             fits = state.clock.end_epoch(state.epoch + 1, state.epochs, seconds, t.info, close)  # --time
             if fits is not None:
                 state.replan(fits, close)  # before the checkpoint
+                step.lr.refit(fits)
             if result is None and state.epoch + 1 == state.epochs:  # --noval, and --time just made this the last
                 result = validate(t)
             hooks.events.val_end(result)
@@ -104,10 +106,11 @@ def validate(t: Training) -> EvalResult | None:
     final = t.state.epoch + 1 == t.state.epochs
     if t.cfg.noval and not final:
         return None
-    t.ema.sync_buffers()
+    ema = t.step.ema
+    ema.sync_buffers()
     options = EvalOptions(channels_last=t.cfg.channels_last, half=t.val_half,
                           keep_batches=3 if final and not t.cfg.noplots else 0)
-    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
+    return evaluate_model(ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.step.criterion)
 
 
 def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> EpochEnded:
@@ -120,7 +123,7 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
     ``DeviceFeed.ahead``), trained in "step", saved in "save"."""
     state, step, nb = t.state, t.step, t.plan.batches_per_epoch
     epoch, first = state.epoch, state.batches_done
-    step.begin(epoch, first, state.mloss)
+    step.begin(epoch, first)
     bar = ProgressBar(t, first, nb)
     fed = DeviceFeed(t.train_loader, t.device, t.memory_format)  # fed.ahead(): the next batch during this step
     ask = lambda: (hooks.clock.due(t.info), stop.requested)  # noqa: E731  (read at an optimizer step)
@@ -140,11 +143,11 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
             if not out.stepped:  # rolled back (--nan-recover)
                 continue
             if (stop.agreed or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
-                save_mid_epoch(t, hooks, out.mloss, watch, stopping=stop.agreed)
+                save_mid_epoch(t, hooks, watch, stopping=stop.agreed)
                 if stop.agreed:
                     bar.close()
                     where = f"epoch {epoch + 1}, batch {i + 1}/{nb}"
-                    return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
+                    return EpochEnded(step.agreed.cpu(), Stop(StopReason.PREEMPTED, _preempted(stop, hooks, where)))
             bar.update(i, out.flags.mloss, item.batch, images)
             hooks.events.batch_end(ni, out.flags.mloss, stepped=True)
     return EpochEnded(dist.reduce_mean(step.mloss).cpu())
@@ -165,12 +168,12 @@ def fetch_ahead(fed: DeviceFeed, watch: Watchdog, epoch: int, i: int) -> None:
         fed.ahead()
 
 
-def save_mid_epoch(t: Training, hooks: Hooks, mloss: torch.Tensor, watch: Watchdog, stopping: bool) -> None:
+def save_mid_epoch(t: Training, hooks: Hooks, watch: Watchdog, stopping: bool) -> None:
     """last.pt inside an epoch, with the mean loss over ranks so far (a stop signal, or --save-interval)."""
     if not stopping:
         hooks.clock.restart()
     with watch.phase("save"):
-        t.state.mloss = dist.reduce_mean(mloss)
+        t.step.agree_loss()
         hooks.checkpointer.save_mid_epoch(t)
 
 

@@ -32,7 +32,7 @@ class ProgressBar:
         done = state.clock.epoch_seconds
         per_epoch = sum(done) / len(done) if done else seconds * self.nb  # validation included once known
         left = seconds * (self.nb - i - 1) + (state.epochs - state.epoch - 1) * per_epoch
-        losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.criterion.loss_names, mloss))
+        losses = " ".join(f"{n} {v:.4f}" for n, v in zip(t.step.criterion.loss_names, mloss))
         self.bar.set_postfix_str(f"{losses} | {batch.targets.shape[0]} inst {imgs.shape[-1]}px | "
                                  f"{batch.size * t.info.world_size / seconds:.0f} img/s | run ETA {_hms(left)}",
                                  refresh=False)

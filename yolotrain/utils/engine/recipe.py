@@ -14,18 +14,19 @@ from pathlib import Path
 
 from yolotrain.models.parse import load_model_yaml
 from yolotrain.models.registry import head_class
+from yolotrain.utils.core.dist import BatchSplit
 from yolotrain.utils.core.fileio import ROOT
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
-from yolotrain.utils.engine.step import BN_BATCH_FLOOR, images_per_step
+from yolotrain.utils.engine.plan import BN_BATCH_FLOOR, images_per_step
 
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
 SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)
 SHORT_LR_MAX = 0.004  # no gain lifts a short-run AdamW LR above this (the highest measured, at 11 classes: 0.0053)
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 
-AutoRule = Callable[["Recipe", Hyp, int, int, int, int, int, int], OptimizerChoice]  # recipe, hyp, nc, images,
-# batch, epochs, ranks, step_images
+AutoRule = Callable[["Recipe", Hyp, int, int, BatchSplit, int, int], OptimizerChoice]  # recipe, hyp, nc, images,
+# the batch split, epochs, step_images
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class Recipe:
     auto: AutoRule  # --optimizer auto
     short_lr_gain: float = 1.0  # the short-run AdamW LR over Ultralytics' rule
 
-    def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                  epochs: int, ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
+    def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit,
+                  epochs: int, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
         """Resolve --optimizer: ``auto`` by this family's rule; a named optimizer with the hyp file's lr0,
         momentum and warmup_bias_lr as written, and 64 (MuSGD also gives the head's class branches
         MUSGD_CLASS_LR_GAIN times the LR). ``step_images``: a short run may cut a large batch into
@@ -48,18 +49,18 @@ class Recipe:
         if requested != "auto":
             return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
                                    class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
-        return self.auto(self, hyp, nc, n_images, batch_size, epochs, ranks, step_images)
+        return self.auto(self, hyp, nc, n_images, batch, epochs, step_images)
 
 
-def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int, epochs: int,
-               ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
+def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit, epochs: int,
+               step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-based heads: SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains."""
     return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
                            "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
 
 
-def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size: int,
-                    epochs: int, ranks: int = 1, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
+def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit,
+                    epochs: int, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
     nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc) (Ultralytics' rule) x the recipe's
     ``short_lr_gain`` (at most SHORT_LR_MAX: from scratch or fine-tuned, such a model is still far from
@@ -74,6 +75,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most SHORT_LR_MAX. Long schedules use SGD
     at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the nominal 64 (Ultralytics 8.3's choice;
     8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
+    batch_size = batch.global_batch
     step = max(batch_size, NOMINAL_BATCH)  # the schedule counts steps of 64 images, or of one larger batch
     iterations = math.ceil(n_images / step) * epochs
     if iterations > AUTO_SGD_ITERATIONS:
@@ -82,7 +84,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
     fit = round(0.002 * 5 / (4 + nc), 6)
     gained = recipe.short_lr_gain != 1.0
     lr = max(fit, min(fit * recipe.short_lr_gain, SHORT_LR_MAX)) if gained else fit
-    parts = steps_per_batch(batch_size, ranks, step_images) if step_images else 1
+    parts = steps_per_batch(batch, step_images) if step_images else 1
     # a step of one batch, or of a part: below SHORT_RUN_BATCH images a batch accumulates to it at the LR as it is
     gain = large_batch_gain(images_per_step(batch_size, 1, parts))
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
@@ -94,13 +96,12 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch_size
                            nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts)
 
 
-def steps_per_batch(batch_size: int, ranks: int, step_images: int = SHORT_RUN_BATCH) -> int:
+def steps_per_batch(batch: BatchSplit, step_images: int = SHORT_RUN_BATCH) -> int:
     """Optimizer steps per batch in a short run: a global batch above ``step_images`` takes one per that many
     images (at SHORT_RUN_BATCH the batch-16 run's steps, measured to learn more in a short schedule than fewer
     steps at a higher LR: docs/benchmarks.md, "Large batches"), as long as each rank's part keeps
     BN_BATCH_FLOOR images. The loader and the host sync still work per batch."""
-    per_rank = batch_size // max(ranks, 1)
-    return max(1, min(batch_size // max(step_images, 1), per_rank // BN_BATCH_FLOOR))
+    return max(1, min(batch.global_batch // max(step_images, 1), batch.per_rank // BN_BATCH_FLOOR))
 
 
 def large_batch_gain(step_images: float) -> float:

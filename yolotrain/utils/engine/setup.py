@@ -1,12 +1,13 @@
 """Building a training run: one place that turns the resolved config into everything the loop needs.
 
 ``build_training`` is used by train.py and by the bench scripts, so what they measure is what
-trains. Its stages run in a fixed order (run folder, data, model, loaders, anchors, the step plan and
-optimizer, resume state, the step) because each consumes the previous ones' results.
+trains. Its stages run in a fixed order (run folder, data, model, loaders, anchors, the step plan, the step and
+its parts, the run state, both resumed) because each consumes the previous ones' results.
 """
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,6 @@ import torch
 import yaml
 from torch import nn
 
-from yolotrain.models.heads.base import Criterion
 from yolotrain.models.yolo import Model, ModelInfo, round_to_stride
 from yolotrain.utils.core import dist
 from yolotrain.utils.core.dist import DistInfo
@@ -29,16 +29,17 @@ from yolotrain.utils.engine.config import ModelSource, RunConfig, micro_step_ima
 from yolotrain.utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     smart_optimizer, warmup_iters
 from yolotrain.utils.engine.recipe import RECIPES
-from yolotrain.utils.engine.recover import NanRecovery
 from yolotrain.utils.engine.state import RunRecord, RunState, SavedRun, make_checkpoint, mosaic_off_from
-from yolotrain.utils.engine.step import Step, StepOptions, StepPlan
+from yolotrain.utils.engine.plan import StepPlan
+from yolotrain.utils.engine.step import Step, StepExtra, StepOptions, StepParts, build_step
 from yolotrain.utils.weights.checkpoint import to_plain
 
 
 @dataclass
 class Training:
-    """Everything a run trains with, built once. The loop changes the model, its EMA, the optimizer,
-    the scaler, the step's counters and the run state inside it, and nothing else."""
+    """The run's fixed context, built once: what it trains on, where it writes, its step and its state. What
+    changes as it trains lives in ``step`` (model, EMA, optimizer, GradScaler, LR schedule, running loss) and in
+    ``state`` (the cursor and the loop's components), one owner each."""
 
     cfg: RunConfig
     info: DistInfo
@@ -47,21 +48,15 @@ class Training:
     hyp: Hyp
     data: DataConfig
     names: list[str]
-    model: nn.Module  # the plain model (what DDP or --compile wrap lives in ``step``)
     model_info: ModelInfo
-    ema: ModelEMA
     optimizer_choice: OptimizerChoice
-    optimizer: torch.optim.Optimizer
-    lr: LRSchedule  # the one writer of the optimizer's learning rates
-    scaler: torch.amp.GradScaler
-    criterion: Criterion
-    step: Step  # how a batch becomes optimizer steps (utils/engine/step.py)
+    step: Step  # how a batch becomes optimizer steps, and what they change (utils/engine/step.py)
     train_loader: torch.utils.data.DataLoader
     val_loader: torch.utils.data.DataLoader
     imgsz: int
     grid: int  # the largest stride (at least 32): image sizes are multiples of it
     memory_format: torch.memory_format
-    state: RunState  # where the run stands, and every component's state
+    state: RunState  # where the run stands, and the loop's components
 
     @property
     def plan(self) -> StepPlan:
@@ -70,7 +65,7 @@ class Training:
     @property
     def batches_per_epoch(self) -> int:
         """Per rank, a whole epoch (a resumed epoch's loader yields fewer)."""
-        return self.state.batches_per_epoch
+        return self.plan.batches_per_epoch
 
     @property
     def weights_dir(self) -> Path:
@@ -88,18 +83,22 @@ class Training:
         return self.amp
 
     def checkpoint(self) -> dict:
-        """The run state and the run's record, as a checkpoint file holds them (utils/engine/state.py)."""
-        record = RunRecord(model_yaml=self.model.yaml, optimizer_choice=self.optimizer_choice, step=self.plan.record(),
-                           seed=self.cfg.seed, world_size=self.info.world_size, hyp=self.hyp.as_dict(),
-                           args={**self.cfg.as_dict(), "epochs": self.state.epochs, "imgsz": self.imgsz},
+        """The run state, the step's and the run's record, as a checkpoint file holds them (utils/engine/state.py)."""
+        record = RunRecord(model_yaml=self.step.model.yaml, optimizer_choice=self.optimizer_choice,
+                           step=self.plan.record(), seed=self.cfg.seed, world_size=self.info.world_size,
+                           hyp=self.hyp.as_dict(), args={**self.cfg.as_dict(), "epochs": self.state.epochs,
+                                                         "imgsz": self.imgsz},
                            names=list(self.names),
                            val_precision=("fp16" if self.device.type == "cuda" else "bf16") if self.val_half else "fp32")
-        return make_checkpoint(self.state, record)
+        return make_checkpoint(self.state, self.step, record)
+
+
+STEP_EXTRAS: list[Callable[[nn.Module], StepExtra]] = []  # further stateful step parts: a builder each, from the model
 
 
 def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: SavedRun | None = None,
                    started: float | None = None, source: ModelSource | None = None) -> Training:
-    """Run folder -> data -> model -> loaders -> anchors -> optimizer, EMA, LR -> run state (resumed) -> the step.
+    """Run folder -> data -> model -> loaders -> anchors -> plan -> the step and its parts -> run state (resumed).
     ``source``: a fresh run's model yaml and --weights as read by resolve_resume (read here when not given)."""
     source = None if saved else source or resolve_model(cfg)
     # the family's defaults (utils/engine/recipe.py); runs saved before the optimizer choice was recorded trained
@@ -109,48 +108,44 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     na = anchors_per_level(hyp.anchors, cfg.hyp, cfg.noautoanchor) if not saved and recipe.autoanchor else None
     save_dir = make_run_dir(cfg, info, hyp, resumed=saved is not None)
     data, names = load_data(cfg, info)
-    model, model_info = build_model(cfg, saved, source, len(names), data.anchors, na, device)
-    grid = model.grid
-    imgsz = round_to_stride(cfg.imgsz, grid)
-    batch = dist.per_rank_batch(cfg.batch_size, info)
-    train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, grid, batch, save_dir, device)
+    model = build_model(cfg, saved, source, len(names), data.anchors, na, device)
+    imgsz = round_to_stride(cfg.imgsz, model.grid)
+    model_info = model.info(imgsz)  # GFLOPs at the size trained
+    batch = dist.batch_split(cfg.batch_size, info)
+    train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, model.grid, batch, save_dir, device)
     if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or recipe.optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), cfg.batch_size, cfg.epochs, info.world_size,
+        cfg.optimizer, hyp, len(names), len(train_loader.dataset), batch, cfg.epochs,
         step_images=micro_step_images(cfg.micro_steps))
-    plan = StepPlan.of(cfg.batch_size, info.world_size, choice.nominal_batch, choice.steps_per_batch,
-                       train_loader.sampler.num_samples)
-    parts = build_optimizer(cfg, hyp, model, choice, plan, device, started)
-    state = RunState(batches_per_epoch=plan.batches_per_epoch, model=model, sampler=train_loader.sampler, **parts)
+    plan = StepPlan.of(batch, choice.nominal_batch, choice.steps_per_batch, train_loader.sampler.num_samples)
+    step = build_step(build_parts(cfg, hyp, model, choice, plan, imgsz, device), plan, info, device,
+                      StepOptions(amp=bool(cfg.amp), graphs=cfg.cuda_graphs, sync_bn=cfg.sync_bn, compile=cfg.compile),
+                      nan_recover=cfg.nan_recover, extras=[build(model) for build in STEP_EXTRAS])
+    state = RunState(epochs=cfg.epochs, device=device, sampler=train_loader.sampler,
+                     stopper=EarlyStopping(patience=cfg.patience), clock=TimeBudget(cfg.time, started))
     if saved:
         state.load_state_dict(saved.ckpt, restore_mosaic=bool(cfg.time))  # --time had moved close_mosaic
-    criterion = model.detect.build_criterion(hyp, imgsz)
-    step = Step(model, criterion, state.optimizer, state.scaler, state.ema, state.lr, plan, state.recovery, info,
-                device, StepOptions(amp=bool(cfg.amp), graphs=cfg.cuda_graphs, sync_bn=cfg.sync_bn, compile=cfg.compile))
+        step.load_state_dict(saved.ckpt, state.epoch, state.batches_done)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names, model=model,
-                    model_info=model_info, ema=state.ema, optimizer_choice=choice, optimizer=state.optimizer,
-                    lr=state.lr, scaler=state.scaler, criterion=criterion, step=step, train_loader=train_loader,
-                    val_loader=val_loader, imgsz=imgsz, grid=grid, memory_format=memory_format, state=state)
+    return Training(cfg=cfg, info=info, device=device, save_dir=save_dir, hyp=hyp, data=data, names=names,
+                    model_info=model_info, optimizer_choice=choice, step=step, train_loader=train_loader,
+                    val_loader=val_loader, imgsz=imgsz, grid=model.grid, memory_format=memory_format, state=state)
 
 
-def build_optimizer(cfg: RunConfig, hyp: Hyp, model: nn.Module, choice: OptimizerChoice, plan: StepPlan,
-                    device: torch.device, started: float | None) -> dict:
-    """The optimizer with its decay per image, the EMA, the GradScaler, the warmup and LR schedule, the early stop,
-    the NaN recovery and the time budget: the run state's components, by name."""
+def build_parts(cfg: RunConfig, hyp: Hyp, model: nn.Module, choice: OptimizerChoice, plan: StepPlan, imgsz: int,
+                device: torch.device) -> StepParts:
+    """What the step changes: the criterion, the optimizer with its decay per image, the EMA, the GradScaler,
+    the warmup and LR schedule."""
     decay = hyp.weight_decay * plan.images_per_step / NOMINAL_BATCH  # the same decay per image at any step size
     optimizer = smart_optimizer(model, choice.name, choice.lr, choice.momentum, decay,
                                 model.detect.class_branches(), choice.class_lr_gain)
-    ema = ModelEMA(model)
     scaler = torch.amp.GradScaler("cuda", enabled=bool(cfg.amp) and device.type == "cuda")  # bf16 needs no loss scaling
     warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, plan.ticks_per_epoch, None if cfg.time else cfg.epochs,
                                        round(plan.images_per_tick)),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
-    lr = LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr)
-    return dict(epochs=cfg.epochs, ema=ema, optimizer=optimizer, scaler=scaler, lr=lr,
-                stopper=EarlyStopping(patience=cfg.patience),
-                recovery=NanRecovery(cfg.nan_recover, model, ema, optimizer, scaler), clock=TimeBudget(cfg.time, started))
+    return StepParts(model=model, criterion=model.detect.build_criterion(hyp, imgsz), optimizer=optimizer,
+                     scaler=scaler, ema=ModelEMA(model), lr=LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr))
 
 
 def make_run_dir(cfg: RunConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:
@@ -173,7 +168,7 @@ def load_data(opt: RunConfig, info: DistInfo) -> tuple[DataConfig, list[str]]:
 
 
 def build_model(opt: RunConfig, saved: SavedRun | None, source: ModelSource | None, nc: int, anchors: list | None,
-                na: int | None, device: torch.device) -> tuple[Model, ModelInfo]:
+                na: int | None, device: torch.device) -> Model:
     """The model to train, identical on every rank: a resumed run's own, or one built from --cfg
     (or --weights' yaml) with the seed, and the tensors of --weights that fit transferred."""
     init_seeds(opt.seed)
@@ -187,7 +182,7 @@ def build_model(opt: RunConfig, saved: SavedRun | None, source: ModelSource | No
     model = model.to(device)
     freeze_layers(model, opt.freeze)
     model.to(memory_format=torch.channels_last if opt.channels_last else torch.contiguous_format)
-    return model, model.info(opt.imgsz)
+    return model
 
 
 def transfer_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -217,17 +212,17 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
 
 
 def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, imgsz: int, grid: int,
-                  batch: int, save_dir: Path, device: torch.device):
+                  batch: dist.BatchSplit, save_dir: Path, device: torch.device):
     """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded), each from its
     split's source (utils/data/split.py, decided when the data yaml was read)."""
     common = dict(stride=grid, nc=len(data.names), single_cls=opt.single_cls, info=info, workers=opt.workers,
                   seed=opt.seed, cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
                   pin_memory=device.type == "cuda",  # a CPU run on a GPU host opens no CUDA context
                   reuse_memory=True)  # the loop and evaluation let go of each batch before the next but one
-    train_loader = build_loader(LoaderSpec(data.sources["train"], imgsz, batch, hyp=hyp, augment=True, rect=opt.rect,
+    train_loader = build_loader(LoaderSpec(data.sources["train"], imgsz, batch.per_rank, hyp=hyp, augment=True, rect=opt.rect,
                                            training=True, prefix="train: ",
                                            render_on_device=opt.augment_on == "device", **common))
-    val_batch = dist.per_rank_batch(opt.val_batch_size, info, "--val-batch-size")
+    val_batch = dist.batch_split(opt.val_batch_size, info, "--val-batch-size").per_rank
     val_loader = build_loader(LoaderSpec(data.sources["val"], imgsz, val_batch, rect=True, pad=0.5, prefix="val: ",
                                          **common))
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known

@@ -1,11 +1,11 @@
 """The run state: everything an exact continuation needs, in one place, and the one reader and writer
 of a training checkpoint's keys (file IO, and what inference reads, live in the checkpoint module).
 
-A checkpoint is the run state's ``state_dict()`` plus a record of what the run is (model yaml,
-arguments, hyperparameters, class names, versions). Each component with state owns its part: the
-EMA, the early stop, the LR schedule (its --nan-recover scale), the sampler (close_mosaic's epoch),
-NaN recovery and the time budget (the run's timings); the model, optimizer, GradScaler and RNG
-states are torch's own. ``SavedRun`` is a checkpoint read back for a resume, as typed fields.
+A checkpoint is the run state's ``state_dict()``, the step's (utils/engine/step.py: model, EMA, optimizer,
+GradScaler, LR schedule, --nan-recover copy, running loss) and a record of what the run is (model yaml,
+arguments, hyperparameters, class names, versions). Each component with state owns its part: here the early
+stop, the sampler (close_mosaic's epoch), the time budget (the run's timings) and the RNG states.
+``SavedRun`` is a checkpoint read back for a resume, as typed fields.
 
 Where the run stands is one cursor: ``epoch`` (0-based, the epoch in progress) and ``batches_done``
 (of it). A checkpoint taken inside an epoch records the epochs done before it and ``batches_done``;
@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from yolotrain.models.yolo import de_parallel
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.fileio import atomic_write
 from yolotrain.utils.data.loader import TrainSampler
 from yolotrain.utils.engine.rng import rng_states, set_rng_states
 from yolotrain.utils.engine.budget import TimeBudget
-from yolotrain.utils.engine.optim import EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice
-from yolotrain.utils.engine.recover import NanRecovery
+from yolotrain.utils.engine.optim import EarlyStopping, OptimizerChoice
+from yolotrain.utils.engine.step import Step
 from yolotrain.utils.eval.metrics import DetectionMetrics
-from yolotrain.utils.weights.checkpoint import fp32_state_dict, load_checkpoint, now_iso, to_plain, versions
+from yolotrain.utils.weights.checkpoint import load_checkpoint, now_iso, to_plain, versions
 
 
 class StopReason(enum.Enum):
@@ -131,75 +129,53 @@ class SavedRun:
 
 @dataclass
 class RunState:
-    """What changes as a run trains, and the components that own the rest of its state."""
+    """What the loop and its hooks change as a run trains: the cursor, the best fitness and last metrics, and the
+    components that own the rest of the loop's state (the early stop, the time budget, the sampler's close_mosaic
+    epoch, the trackers' ids). What the step changes (model, EMA, optimizer, GradScaler, LR schedule, running
+    loss) the step owns and checkpoints (utils/engine/step.py)."""
 
     epochs: int  # the run's length: --epochs, or what --time refitted it to
-    batches_per_epoch: int  # per rank, a whole epoch
-    model: nn.Module  # the plain model (utils/engine/step.py wraps what the forward runs)
-    ema: ModelEMA
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    lr: LRSchedule
+    device: torch.device  # the RNG states saved and restored include this device's
     sampler: TrainSampler
     stopper: EarlyStopping
-    recovery: NanRecovery
     clock: TimeBudget
     epoch: int = 0  # the epoch in progress (0-based)
     batches_done: int = 0  # batches of it done (the resume position; a checkpoint's batches_done)
-    mloss: torch.Tensor | None = None  # running mean loss over ranks at ``batch`` (saved and resumed mid-epoch)
     best_fitness: float = 0.0
     metrics: DetectionMetrics | None = None  # the last validation's
     resumed: bool = False
     tracking: dict[str, str] = field(default_factory=dict)  # experiment trackers' ids (MLflow's run), rank 0's
 
-    @property
-    def device(self) -> torch.device:
-        return next(de_parallel(self.model).parameters()).device
-
-    @property
-    def mid_epoch(self) -> bool:
-        return 0 < self.batches_done < self.batches_per_epoch
+    def mid_epoch(self, batches_per_epoch: int) -> bool:
+        return 0 < self.batches_done < batches_per_epoch
 
     def replan(self, epochs: int, close_mosaic: int) -> None:
-        """--time refitted the run to ``epochs``: the LR schedule and close_mosaic follow (a closed mosaic stays closed)."""
+        """--time refitted the run to ``epochs``: close_mosaic follows (a closed mosaic stays closed); the step's
+        LR schedule is refitted beside it (``LRSchedule.refit``)."""
         self.epochs = epochs
-        self.lr.refit(epochs)
         done, off = self.epoch + 1, self.sampler.mosaic_off_from_epoch
         if close_mosaic > 0 and (off is None or off > done):
             self.sampler.close_mosaic_from(max(mosaic_off_from(close_mosaic, epochs), done))
 
-    def state_dict(self) -> dict[str, Any]:
-        """The training-state keys of a checkpoint, in weights_only-safe types."""
-        mid = self.mid_epoch
-        ema = self.ema.state_dict()
-        out = {"epoch": self.epoch - 1 if mid else self.epoch, "best_fitness": float(self.best_fitness),
-               "model": fp32_state_dict(de_parallel(self.model)), "ema": ema["weights"], "ema_updates": ema["updates"],
-               "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+    def state_dict(self, mid_epoch: bool) -> dict[str, Any]:
+        """The loop's keys of a checkpoint, in weights_only-safe types (``make_checkpoint`` adds the step's)."""
+        out = {"epoch": self.epoch - 1 if mid_epoch else self.epoch, "best_fitness": float(self.best_fitness),
                "early_stop": self.stopper.state_dict(), "rng": rng_states(self.device), **self.clock.state_dict(),
                **self.sampler.state_dict(), "metrics": self.metrics.as_dict() if self.metrics else {}}
-        if self.recovery.enabled:  # the rollback copy and the recoveries used
-            out["nan_recovery"] = self.recovery.state_dict()
         if self.tracking:  # a resumed run continues the same tracker run (utils/engine/track)
             out["tracking"] = dict(self.tracking)
-        if mid:
-            out.update(batches_done=self.batches_done, mloss=self.mloss.tolist(), **self.lr.state_dict())
+        if mid_epoch:
+            out["batches_done"] = self.batches_done
         return out
 
     def load_state_dict(self, ckpt: dict[str, Any], restore_mosaic: bool) -> None:
         """Continue a saved run; ``restore_mosaic``: take its close_mosaic epoch (--time moved it) rather than
         the one the build computed from --epochs."""
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.ema.load_state_dict({"weights": ckpt["ema"], "updates": ckpt["ema_updates"]})
-        if ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
         self.stopper.load_state_dict(ckpt["early_stop"])
         set_rng_states(ckpt["rng"], self.device)
         self.epoch, self.batches_done = ckpt["epoch"] + 1, int(ckpt.get("batches_done", 0))
-        self.mloss = torch.tensor(ckpt["mloss"], device=self.device) if self.batches_done else None
         self.best_fitness = ckpt["best_fitness"]
-        self.lr.load_state_dict(ckpt if self.batches_done else {}, self.epoch)
         self.clock.load_state_dict(ckpt)
-        self.recovery.load_state_dict(ckpt.get("nan_recovery"))
         if restore_mosaic and "mosaic_off_from_epoch" in ckpt:
             self.sampler.load_state_dict(ckpt)
         self.tracking = {str(k): str(v) for k, v in (ckpt.get("tracking") or {}).items()}
@@ -229,9 +205,11 @@ class RunRecord:
                 "date": now_iso()}
 
 
-def make_checkpoint(state: RunState, record: RunRecord) -> dict[str, Any]:
-    """Everything an exact continuation needs, in weights_only-safe types."""
-    return {**state.state_dict(), **record.as_dict()}
+def make_checkpoint(state: RunState, step: Step, record: RunRecord) -> dict[str, Any]:
+    """Everything an exact continuation needs, in weights_only-safe types: the loop's state, the step's, and
+    the record of what the run is."""
+    mid = state.mid_epoch(step.plan.batches_per_epoch)
+    return {**state.state_dict(mid), **step.state_dict(mid), **record.as_dict()}
 
 
 RESULT_FILE_ENV = "YOLOTRAIN_RESULT_FILE"  # set by the Python API's launcher (yolotrain/launch.py)

@@ -1,25 +1,26 @@
-"""The training step: how one batch becomes optimizer steps on this rank, in one object.
+"""The training step: one batch in, its optimizer steps out, every rank in agreement; and the state it changes.
 
-``StepPlan`` says how, decided once from the global batch, the ranks and the optimizer's step size: batches
-accumulated into a step (YOLOv5's SGD gathers 64 images), a step every batch, or a short run's large batch cut
-into parts, each its own step (micro-steps: the batch-16 run's steps). ``Step`` does it, once a batch: the
-warmup's LR per tick and the accumulation ramp, the forward and loss under autocast (eager, or replayed as CUDA
-graphs), the backward (DDP's all-reduce, or its no_sync while a step accumulates), the step's one all-reduce that
-every rank agrees on (``check_step``), then unscale, clip, optimizer step and EMA; or, when a loss since the last
-step was not finite, the fp16 GradScaler's skip or --nan-recover's rollback. DDP is decided here and nowhere else:
-around the model, or under --cuda-graphs around the graphed unit (utils/engine/graphs.py).
+``Step`` is built from its parts (model, criterion, optimizer, GradScaler, EMA, LR schedule: ``StepParts``) and the
+plan (utils/engine/plan.py), and owns them: it makes its own --nan-recover copy, keeps the epoch's running loss
+and its cursor (the last optimizer step, the accumulation ramp), and checkpoints all of it (``state_dict`` /
+``load_state_dict``, under the checkpoint keys the run has always written). Once a batch it runs the warmup's LR
+per tick, the forward and loss under autocast (eager, or replayed as CUDA graphs), the backward (DDP's all-reduce,
+or its no_sync while a step accumulates), the step's one all-reduce that every rank agrees on (``check_step``),
+then unscale, clip, optimizer step and EMA; or, when a loss since the last step was not finite, the fp16
+GradScaler's skip or --nan-recover's rollback. DDP is decided here and nowhere else: around the model, or under
+--cuda-graphs around the graphed unit (utils/engine/graphs.py).
 
-Names, the same in the start summary and the checkpoint's ``step`` record: the *global batch* (--batch-size,
-images per batch over all ranks), the *per-rank batch* (its share on one rank), *images per step* (what one
-optimizer step learns from, over all ranks) and, in the run state, *batches done* (the resume position inside
-an epoch).
+Its two modes are two small classes the plan chooses once (``build_step``): ``AccumulatingStep`` (a step every
+``accumulate`` batches, YOLOv5's) and ``MicroSteps`` (a short run's large batch cut into parts, each its own step).
+A further stateful part (a second EMA, SWA weights) is a ``StepExtra``: one class, handed to the builder, that
+hears every optimizer step and checkpoints under its own key.
 """
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,127 +31,11 @@ from yolotrain.models.heads.base import Criterion, Ranks
 from yolotrain.utils.core import dist, precision
 from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.logging import LOGGER
-from yolotrain.utils.engine.graphs import Capture, StepLoss, accumulation_problem, graphs_problems
-from yolotrain.utils.engine.optim import SHORT_RUN_BATCH, LRSchedule, ModelEMA, OptimizerChoice
+from yolotrain.utils.engine.graphs import Capture, StepLoss
+from yolotrain.utils.engine.optim import LRSchedule, ModelEMA
+from yolotrain.utils.engine.plan import StepPlan, sync_bn_applies
 from yolotrain.utils.engine.recover import NanRecovery
-
-
-# The fewest images per rank whose BatchNorm batch statistics are trusted: a short run's micro-step trains on at
-# least this many, and a run whose ranks get fewer (without SyncBatchNorm) is warned at start.
-BN_BATCH_FLOOR = 8
-
-
-def accumulate_steps(global_batch: int, nominal_batch: int) -> int:
-    """Batches accumulated into an optimizer step, so each step sees about ``nominal_batch`` images."""
-    return max(round(nominal_batch / global_batch), 1)
-
-
-def images_per_step(global_batch: int, accumulate: int, parts: int) -> float:
-    """Images one optimizer step learns from, over all ranks: ``accumulate`` batches, or one of a batch's
-    ``parts``. The one place this is derived: the plan, the recipe's LR, the weight decay, the summary and the
-    checkpoint all read it."""
-    return global_batch * accumulate / parts
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How this rank's batches become optimizer steps. A short run's large batch is cut into consecutive parts
-    of at most ``part`` images, each its own step, and the warmup ramps per part (a tick), so on one rank a run
-    at global batch 64 takes the batch-16 run's steps on the same images at the same LR. Otherwise a tick is a
-    batch, as in YOLOv5's warmup, and a step comes every ``accumulate`` batches (and at each epoch's end)."""
-
-    global_batch: int  # images per batch over all ranks
-    world_size: int
-    accumulate: int  # batches per optimizer step after the warmup's ramp
-    parts: int  # optimizer steps per full batch (1 unless a short run cuts its batch)
-    part: int  # the most images of a rank's batch in one part
-    batches_per_epoch: int  # per rank
-    ticks_per_epoch: int  # the warmup's ticks per epoch on this rank: parts, or batches
-
-    @classmethod
-    def of(cls, global_batch: int, world_size: int, nominal_batch: int, parts: int, samples: int) -> StepPlan:
-        """``nominal_batch``: the images per step the optimizer gathers to (accumulation); ``parts``: the steps a
-        short run asks per batch; ``samples``: images per rank per epoch (the last batch holds the rest)."""
-        per_rank = global_batch // world_size
-        part = math.ceil(per_rank / max(parts, 1))
-        parts, (full, rest) = math.ceil(per_rank / part), divmod(samples, per_rank)
-        return cls(global_batch, world_size, accumulate_steps(global_batch, nominal_batch), parts, part,
-                   full + (rest > 0), full * parts + math.ceil(rest / part))
-
-    @property
-    def per_rank_batch(self) -> int:
-        return self.global_batch // self.world_size
-
-    @property
-    def images_per_step(self) -> float:
-        return images_per_step(self.global_batch, self.accumulate, self.parts)
-
-    @property
-    def images_per_tick(self) -> float:
-        """Images over all ranks in one warmup tick (a part, or a batch): the warmup's floor counts them."""
-        return self.global_batch / self.parts
-
-    def slices(self, n: int) -> list[slice]:
-        """A batch of ``n`` images in ceil(n / part) consecutive slices whose lengths differ by at most one: an
-        epoch's short last batch of 32 at parts of 16 is two steps of 16, as the batch-16 run takes them."""
-        bounds = np.linspace(0, n, max(math.ceil(n / self.part), 1) + 1).round().astype(int)
-        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-    def tick(self, epoch: int, i: int, j: int = 0) -> int:
-        """Part ``j`` of batch ``i`` of ``epoch``, counted from the run's start (the batch count when a batch is
-        one part)."""
-        return epoch * self.ticks_per_epoch + i * self.parts + j
-
-    def describe(self) -> str:
-        """The start summary's words for it."""
-        if self.parts > 1:
-            return f"{self.parts} optimizer steps per batch (a step per {self.images_per_step:g} images)"
-        return f"accumulate {self.accumulate} (a step per {self.images_per_step:g} images)"
-
-    def record(self) -> dict:
-        """The checkpoint's ``step`` entry: the plan, and the images each optimizer step learned from."""
-        return {**asdict(self), "per_rank_batch": self.per_rank_batch, "images_per_step": self.images_per_step}
-
-
-def explain(plan: StepPlan, choice: OptimizerChoice, micro_steps: str, by_device: bool) -> tuple[str, str | None]:
-    """The start summary's one line on how a batch becomes optimizer steps on this device and why; and the
-    warning for a --micro-steps the run's optimizer does not use (None when it uses it, or nobody asked).
-    ``micro_steps``: the resolved flag; ``by_device``: it was auto, resolved by the device."""
-    steps = f"{plan.describe()} at global batch {plan.global_batch}"
-    if choice.nominal_batch != SHORT_RUN_BATCH:  # only a short run's AdamW (--optimizer auto) cuts its batch
-        unused = None if by_device or micro_steps == "off" else (
-            f"WARNING: --micro-steps {micro_steps} has no effect: micro-steps cut the batch of --optimizer auto's "
-            f"short-run AdamW (anchor-free and end-to-end models, short schedules); this run trains {choice.name}, "
-            f"which gathers {choice.nominal_batch} images a step")
-        return f"{steps}: {choice.name} gathers {choice.nominal_batch} images a step", unused
-    if plan.parts > 1:
-        why = (f"the short run's AdamW takes the batch-{SHORT_RUN_BATCH} run's steps" if micro_steps in ("on", "auto")
-               else f"--micro-steps {micro_steps}")
-        if by_device:
-            why += " (--micro-steps auto: on for a CPU, where a step costs its images; off on CUDA, where each step " \
-                   "has a fixed cost)"
-    elif plan.global_batch <= SHORT_RUN_BATCH:
-        why = f"the short run's AdamW steps every {SHORT_RUN_BATCH} images"
-    elif micro_steps == "off":
-        why = ("one AdamW step per batch (" + ("--micro-steps auto: off on CUDA, where each step has a fixed cost"
-                                               if by_device else "--micro-steps off")
-               + f"; on takes the batch-{SHORT_RUN_BATCH} run's steps)")
-    else:
-        why = (f"a rank's batch of {plan.per_rank_batch} is too small to cut (each part keeps at least "
-               f"{BN_BATCH_FLOOR} images)")
-    return f"{steps}: {why}", None
-
-
-def problems(args, device: torch.device, world_size: int, nominal_batch: Callable[[], int]) -> list[str]:
-    """Why the step cannot run as the resolved ``args`` ask, one sentence each; [] when it can. Checked before
-    the run folder, the data scan or the model build. ``nominal_batch``: the images per step the run's optimizer
-    gathers to (asked only for --cuda-graphs, which needs a step after every backward)."""
-    if not args.cuda_graphs:
-        return []
-    nominal = nominal_batch()
-    accumulation = accumulation_problem(args.batch_size, accumulate_steps(args.batch_size, nominal), nominal)
-    return graphs_problems(device, world_size, args.compile, args.rect, args.multi_scale, args.sync_bn) + (
-        [accumulation] if accumulation else [])
+from yolotrain.utils.weights.checkpoint import fp32_state_dict
 
 
 @dataclass(frozen=True)
@@ -186,11 +71,6 @@ class StepOptions:
 
 
 FP16_OVERFLOW_PATIENCE = 10  # non-finite fp16 losses in a row the GradScaler may absorb (2**-10 of its scale)
-
-
-def sync_bn_applies(asked: bool, info: DistInfo, device: torch.device) -> bool:
-    """Whether --sync-bn converts the model: SyncBatchNorm exchanges statistics over NCCL, so several CUDA ranks."""
-    return bool(asked and info.distributed and device.type == "cuda")
 
 
 def wrap(model: nn.Module, options: StepOptions, info: DistInfo, device: torch.device) -> nn.Module:
@@ -237,33 +117,66 @@ def optimizer_step(module: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
     ema.update(module)
 
 
-class Step:
-    """One batch in, its optimizer steps out, every rank in agreement. Built by setup from its parts; the loop
-    calls it once a batch, after ``begin`` at each epoch's start."""
+@dataclass(frozen=True)
+class StepParts:
+    """What a step changes, built together (setup.build_optimizer) and owned by the step from then on."""
 
-    def __init__(self, model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, ema: ModelEMA, lr: LRSchedule, plan: StepPlan, recovery: NanRecovery,
-                 info: DistInfo, device: torch.device, options: StepOptions, capture: Capture | None = None) -> None:
-        self.model, self.optimizer, self.scaler, self.ema, self.lr = model, optimizer, scaler, ema, lr
-        self.plan, self.recovery, self.info, self.device, self.options = plan, recovery, info, device, options
-        self.module = wrap(model, options, info, device)  # what the forward runs: DDP around it, it, or compiled
+    model: nn.Module  # the plain model (``wrap`` makes what the forward runs)
+    criterion: Criterion
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: ModelEMA
+    lr: LRSchedule  # the one writer of the optimizer's learning rates
+
+
+class StepExtra(Protocol):
+    """A stateful part of the step beyond its core (a second EMA, SWA weights): it hears every optimizer step
+    and is checkpointed under its own ``key``. Adding one is its class and a line in the builder's list."""
+
+    key: str
+
+    def after_step(self, module: nn.Module) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Step:
+    """One batch in, its optimizer steps out. The loop calls it once a batch, after ``begin`` at each epoch's start;
+    a subclass says how a batch becomes steps (``_train``) and what a step agreed finite does (``_commit``)."""
+
+    def __init__(self, parts: StepParts, plan: StepPlan, info: DistInfo, device: torch.device, options: StepOptions,
+                 nan_recover: int = 0, extras: Sequence[StepExtra] = (), capture: Capture | None = None) -> None:
+        self.model, self.criterion, self.optimizer = parts.model, parts.criterion, parts.optimizer
+        self.scaler, self.ema, self.lr = parts.scaler, parts.ema, parts.lr
+        self.plan, self.info, self.device, self.options, self.extras = plan, info, device, options, tuple(extras)
+        self.recovery = NanRecovery(nan_recover, self.model, self.ema, self.optimizer, self.scaler)
+        self.module = wrap(self.model, options, info, device)  # what the forward runs: DDP around it, it, or compiled
         self.ddp = isinstance(self.module, DDP)  # no_sync while a step accumulates (never under --cuda-graphs)
-        self.loss = StepLoss(self.module, criterion, graphs=options.graphs, capture=capture,
+        self.loss = StepLoss(self.module, parts.criterion, graphs=options.graphs, capture=capture,
                              wrap=lambda unit: dist.smart_DDP(unit, device),  # under --cuda-graphs: DDP's unit
                              ranks=Ranks(info.world_size))  # N ranks normalise the loss as one process
-        self.n_items = len(criterion.loss_names)
-        self.epoch, self.last_opt_step, self.accumulate = 0, -1, plan.accumulate
-        self.mloss = torch.zeros(self.n_items, device=device)
+        self.n_items = len(parts.criterion.loss_names)
+        self.epoch, self.last_opt_step, self.accumulate = 0, -1, plan.accumulate  # the cursor
+        self.mloss = torch.zeros(self.n_items, device=device)  # the epoch's running mean loss on this rank
+        self.agreed: torch.Tensor | None = None  # the running mean over ranks a mid-epoch checkpoint records
         self.window_bad: torch.Tensor | None = None  # on the device: a non-finite loss since the last step
         self.overflows = Fp16Overflows()
 
-    def begin(self, epoch: int, batches_done: int, mloss: torch.Tensor | None) -> None:
-        """An epoch starts at ``batches_done`` (a resumed mid-epoch checkpoint's), its running mean ``mloss``
-        then; each epoch ended on an optimizer step."""
+    def begin(self, epoch: int, batches_done: int) -> None:
+        """An epoch starts at ``batches_done`` (a resumed mid-epoch checkpoint's, whose running loss the step
+        loaded); each epoch ended on an optimizer step."""
         self.module.train()
         self.epoch, self.accumulate = epoch, self.plan.accumulate
         self.last_opt_step = epoch * self.plan.batches_per_epoch + batches_done - 1
-        self.mloss = mloss if batches_done else torch.zeros(self.n_items, device=self.device)
+        resumed = self.agreed if batches_done and self.agreed is not None else None
+        self.mloss = resumed if resumed is not None else torch.zeros(self.n_items, device=self.device)
+
+    def agree_loss(self) -> torch.Tensor:
+        """The running mean loss over ranks (a collective: every rank calls it), kept for the next checkpoint."""
+        self.agreed = dist.reduce_mean(self.mloss)
+        return self.agreed
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor, i: int, meanwhile: Callable[[], None],
                  ask: Callable[[], tuple[bool, bool]]) -> StepResult:
@@ -271,20 +184,10 @@ class Step:
         next one), before the step's host sync; ``ask``: (rank 0's save clock is due, a stop signal came), read
         at an optimizer step and agreed by every rank."""
         ni = self.epoch * self.plan.batches_per_epoch + i  # batches since the run's start
-        if self.plan.parts > 1:
-            items, at_step = self._micro_steps(images, targets, i), True
-        else:
-            self.lr.warmup_step(ni, self.epoch)
-            if ni <= self.lr.warmup.iters:
-                self.accumulate = max(1, round(float(np.interp(ni, [0, self.lr.warmup.iters],
-                                                               [1, self.plan.accumulate]))))
-            at_step = ni - self.last_opt_step >= self.accumulate or i == self.plan.batches_per_epoch - 1
-            loss, items = self.forward(images, targets, sync=at_step)
+        items, at_step = self._train(images, targets, i, ni)
         finite = torch.isfinite(items).all()  # on the device: read at the optimizer step
         self.window_bad = ~finite if self.window_bad is None else self.window_bad | ~finite
         self.mloss = torch.where(finite, (self.mloss * i + items) / (i + 1), self.mloss)
-        if self.plan.parts == 1:
-            self.backward(loss)
         meanwhile()
         if not at_step:
             return StepResult(self.mloss)
@@ -295,32 +198,17 @@ class Step:
             failure = self._skip_bad_window(flags, i)
             self.last_opt_step = ni  # the next optimizer step gathers a full accumulation from here
             return StepResult(self.mloss, flags, stepped=False, failure=failure)
-        if self.plan.parts == 1:
-            self.recovery.remember()  # the state every batch since the last step was scored on
-            self.optimizer_step()
+        self._commit()
         self.last_opt_step = ni
         return StepResult(self.mloss, flags, stepped=True)
 
-    def _micro_steps(self, images: torch.Tensor, targets: torch.Tensor, i: int) -> torch.Tensor:
-        """A short run's large batch ``i``: per part, the warmup's LR, forward, backward and an optimizer step, so
-        the run takes the batch-16 run's steps while the loader, the device feed and the step's host sync work
-        per batch. Every rank's batch has the same length, so the parts (and DDP's all-reduces) match across
-        ranks. The recovery state is the batch's start: a non-finite loss agreed at check_step rolls back the
-        whole batch. Returns the loss items, the parts' mean weighted by images."""
-        n = images.shape[0]
-        items = torch.zeros((), device=images.device)
-        for j, part in enumerate(self.plan.slices(n)):
-            self.lr.warmup_step(self.plan.tick(self.epoch, i, j), self.epoch)
-            rows = (targets[:, 0] >= part.start) & (targets[:, 0] < part.stop)
-            mine = targets[rows].clone()
-            mine[:, 0] -= part.start
-            loss, loss_items = self.forward(images[part], mine, sync=True)
-            self.backward(loss)
-            if j == 0:
-                self.recovery.remember()
-            self.optimizer_step()
-            items = items + loss_items.detach() * ((part.stop - part.start) / n)
-        return items
+    def _train(self, images: torch.Tensor, targets: torch.Tensor, i: int, ni: int) -> tuple[torch.Tensor, bool]:
+        """Forward and backward of batch ``i`` (``ni`` since the run's start): its loss items, and whether an
+        optimizer step ends it."""
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        """At a step every rank agreed finite: what the mode has left to do."""
 
     def autocast(self) -> torch.autocast:
         """The forward and loss precision of --amp (off: fp32). CUDA graphs capture the casts themselves, so
@@ -346,6 +234,8 @@ class Step:
 
     def optimizer_step(self) -> None:
         optimizer_step(self.module, self.optimizer, self.scaler, self.ema)
+        for extra in self.extras:
+            extra.after_step(self.model)
 
     def _skip_bad_window(self, flags: StepFlags, i: int) -> str | None:
         """A non-finite loss on some rank since the last optimizer step, agreed by all: with a --nan-recover
@@ -368,6 +258,83 @@ class Step:
                               else "no optimizer step to undo since this process started")
                            + f", skipped the batches since, LR x{self.lr.scale:g} until the epoch ends")
         return None
+
+    def state_dict(self, mid_epoch: bool) -> dict[str, Any]:
+        """The step's keys of a checkpoint, in weights_only-safe types: the model, EMA, optimizer and GradScaler,
+        the --nan-recover copy, each extra part under its key; inside an epoch also the running loss over ranks
+        (``agree_loss``) and the LR schedule's epoch state."""
+        ema = self.ema.state_dict()
+        out = {"model": fp32_state_dict(self.model), "ema": ema["weights"], "ema_updates": ema["updates"],
+               "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
+        if self.recovery.enabled:  # the rollback copy and the recoveries used
+            out["nan_recovery"] = self.recovery.state_dict()
+        out.update({extra.key: extra.state_dict() for extra in self.extras})
+        if mid_epoch:
+            out.update(mloss=self.agreed.tolist(), **self.lr.state_dict())
+        return out
+
+    def load_state_dict(self, ckpt: dict[str, Any], epoch: int, batches_done: int) -> None:
+        """Continue a saved run at ``epoch``, ``batches_done`` batches into it (the model's weights were loaded
+        when it was built)."""
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.ema.load_state_dict({"weights": ckpt["ema"], "updates": ckpt["ema_updates"]})
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.lr.load_state_dict(ckpt if batches_done else {}, epoch)
+        self.recovery.load_state_dict(ckpt.get("nan_recovery"))
+        for extra in self.extras:
+            if extra.key in ckpt:  # a part added since the checkpoint was written starts fresh
+                extra.load_state_dict(ckpt[extra.key])
+        self.agreed = torch.tensor(ckpt["mloss"], device=self.device) if batches_done else None
+
+
+class AccumulatingStep(Step):
+    """A step every ``accumulate`` batches (ramped up over the warmup, as YOLOv5's), and at each epoch's end; a
+    tick of the warmup is a batch."""
+
+    def _train(self, images: torch.Tensor, targets: torch.Tensor, i: int, ni: int) -> tuple[torch.Tensor, bool]:
+        self.lr.warmup_step(ni, self.epoch)
+        if ni <= self.lr.warmup.iters:
+            self.accumulate = max(1, round(float(np.interp(ni, [0, self.lr.warmup.iters], [1, self.plan.accumulate]))))
+        at_step = ni - self.last_opt_step >= self.accumulate or i == self.plan.batches_per_epoch - 1
+        loss, items = self.forward(images, targets, sync=at_step)
+        self.backward(loss)
+        return items, at_step
+
+    def _commit(self) -> None:
+        self.recovery.remember()  # the state every batch since the last step was scored on
+        self.optimizer_step()
+
+
+class MicroSteps(Step):
+    """A short run's large batch: per part, the warmup's LR, forward, backward and an optimizer step, so the run
+    takes the batch-16 run's steps while the loader, the device feed and the step's host sync work per batch.
+    Every rank's batch has the same length, so the parts (and DDP's all-reduces) match across ranks. The recovery
+    state is the batch's start: a non-finite loss agreed at check_step rolls back the whole batch."""
+
+    def _train(self, images: torch.Tensor, targets: torch.Tensor, i: int, ni: int) -> tuple[torch.Tensor, bool]:
+        """The loss items are the parts' mean weighted by images; every batch ends on a step."""
+        n = images.shape[0]
+        items = torch.zeros((), device=images.device)
+        for j, part in enumerate(self.plan.slices(n)):
+            self.lr.warmup_step(self.plan.tick(self.epoch, i, j), self.epoch)
+            rows = (targets[:, 0] >= part.start) & (targets[:, 0] < part.stop)
+            mine = targets[rows].clone()
+            mine[:, 0] -= part.start
+            loss, loss_items = self.forward(images[part], mine, sync=True)
+            self.backward(loss)
+            if j == 0:
+                self.recovery.remember()
+            self.optimizer_step()
+            items = items + loss_items.detach() * ((part.stop - part.start) / n)
+        return items, True
+
+
+def build_step(parts: StepParts, plan: StepPlan, info: DistInfo, device: torch.device, options: StepOptions,
+               nan_recover: int = 0, extras: Sequence[StepExtra] = (), capture: Capture | None = None) -> Step:
+    """The step the plan asks for, chosen once: micro-steps when a batch is cut into parts, else accumulation."""
+    mode = MicroSteps if plan.parts > 1 else AccumulatingStep
+    return mode(parts, plan, info, device, options, nan_recover, extras, capture)
 
 
 def check_step(window_bad: torch.Tensor, mloss: torch.Tensor, info: DistInfo, save_due: bool,

@@ -11,7 +11,7 @@ from yolotrain.utils.engine.config import DEFAULT_MODEL, SIZE_DEFAULTS
 from yolotrain.utils.engine.recipe import RECIPES
 from yolotrain.utils.engine.setup import Training
 from yolotrain.utils.engine.state import saved_metrics
-from yolotrain.utils.engine.step import BN_BATCH_FLOOR, StepPlan, explain, sync_bn_applies
+from yolotrain.utils.engine.plan import BN_BATCH_FLOOR, StepPlan, explain, sync_bn_applies
 
 
 def log_start_summary(t: Training) -> None:
@@ -35,13 +35,13 @@ def log_start_summary(t: Training) -> None:
     numerics = f"{str(precision.amp_dtype(t.device)).removeprefix('torch.')} autocast (--amp)" if t.amp else "fp32"
     lines.append(colorstr("Model: ") + f"{opt.cfg or opt.weights or DEFAULT_MODEL.name}: {mi.layers} layers, "
                  f"{mi.parameters:,} parameters, {mi.gflops:.1f} GFLOPs at {t.imgsz} px, {layout}, {numerics}")
-    family = RECIPES[t.model.detect.family].hyp
+    family = RECIPES[t.step.model.detect.family].hyp
     changed = hyp_changes(t.hyp, load_hyp(family))
     lines.append(colorstr("Hyperparameters: ") + f"{opt.hyp}; " + (
         f"differing from {family.name}: " + ", ".join(f"{k}={v:g} ({d:g})" for k, (v, d) in changed.items())
         if changed else f"the family's defaults ({family.name})"))
     c = t.optimizer_choice
-    lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.lr.warmup.iters} "
+    lines.append(colorstr("Optimizer: ") + f"{c.name} lr {c.lr:g}, momentum {c.momentum:g}, warmup {t.step.lr.warmup.iters} "
                  f"{'optimizer steps' if plan.parts > 1 else 'iterations'} (bias lr from "
                  f"{c.warmup_bias_lr:g}); {c.reason}")
     epoch, batches = t.state.epoch, t.state.batches_done
