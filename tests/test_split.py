@@ -14,7 +14,7 @@ from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
-from yolotrain.utils.data.split import Missing, Scan, SplitSource, open_split
+from yolotrain.utils.data.split import KeyedCacheSource, Missing, Scan, SplitSource, open_split
 
 
 # ---------------------------------------------------------------- a third source, in memory (under 60 lines)
@@ -42,7 +42,7 @@ class MemorySource:
         return self.images[row]
 
     def cache_source(self, rows, cache_dir, read):
-        return None
+        return KeyedCacheSource(read, f"{self.where} {rows.tolist()}", Path(cache_dir or "."), self.where)
 # ---------------------------------------------------------------- (end of the source)
 
 

@@ -255,10 +255,10 @@ def build_loader(spec: LoaderSpec) -> DataLoader:
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, spec.workers)
     if spec.cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
         dataset.attach_image_cache(build_or_open(
-            dataset.im_files, spec.img_size, spec.augment, spec.cache, local_rank=info.local_rank,
-            image_hw=dataset.image_hw, path=getattr(dataset.source, "path", None), prefix=spec.prefix,
-            workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, spec.img_size, SLOTS),
-            source=dataset.source.cache_source(dataset.rows, spec.cache_dir, dataset.read_original)))
+            dataset.im_files, spec.img_size, spec.augment, spec.cache,
+            dataset.source.cache_source(dataset.rows, spec.cache_dir, dataset.read_original),
+            local_rank=info.local_rank, image_hw=dataset.image_hw, prefix=spec.prefix,
+            workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, spec.img_size, SLOTS)))
     if spec.training:
         sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, spec.seed, shuffle=shuffle,
                                         drop_last=rect and info.world_size > 1, batch_size=batch_size)
