@@ -12,7 +12,7 @@ from yolotrain.models.heads.base import Ranks
 from yolotrain.models.yolo import Model
 from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.hyp import Hyp
-from yolotrain.utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
+from yolotrain.utils.data.labels import COUNT_KEYS, FileColumn, LabelTable, ScanResult
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
 from yolotrain.utils.data.split import KeyedCacheSource, Missing, Scan, SplitSource, open_split
 
@@ -36,7 +36,7 @@ class MemorySource:
         counts = {**dict.fromkeys(COUNT_KEYS, 0), "found": len(names), "images": len(names),
                   "backgrounds": int((table.counts() == 0).sum()), "instances": int(table.counts().sum())}
         hw = np.array([im.shape[:2] for im in self.images], np.int32)
-        return Scan(ScanResult(names, [n + ".txt" for n in names], table, hw, [], counts), " (in memory)")
+        return Scan(ScanResult(FileColumn(names), [n + ".txt" for n in names], table, hw, [], counts), " (in memory)")
 
     def read(self, row: int) -> np.ndarray:
         return self.images[row]

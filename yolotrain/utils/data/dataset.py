@@ -27,7 +27,6 @@ from yolotrain.utils.data.labels import LabelTable, format_summary, require_usab
 from yolotrain.utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from yolotrain.utils.data.problems import check_label_presence, report_messages, write_problem_report
 from yolotrain.utils.data.render import Scratch, TileSource, render
-from yolotrain.utils.data.shards import SourceColumn
 from yolotrain.utils.data.split import open_split
 
 
@@ -85,8 +84,8 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             LOGGER.info(format_summary(c, split))
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
-        # a shard index's paths and labels stay columns over its mapped arrays; a scan's become the same shapes
-        self.im_files = result.img_files if isinstance(result.img_files, SourceColumn) else list(result.img_files)
+        # a column of paths (a scan's list, a shard index's over its mapped arrays), reordered by take
+        self.im_files = result.img_files
         # float64 as written (evaluation and ground_truth.json); augmentation takes float32 copies
         self.labels = LabelTable.of(result.labels)
         if single_cls:
@@ -107,9 +106,7 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         """Sort by aspect ratio and give each batch the smallest stride-multiple shape that fits it."""
         ar = self.image_hw[:, 0] / self.image_hw[:, 1]  # h / w
         order = ar.argsort(kind="stable")
-        files = self.im_files
-        self.im_files = files.take(order) if isinstance(files, SourceColumn) else [files[i] for i in order]
-        self.labels = self.labels.take(order)
+        self.im_files, self.labels = self.im_files.take(order), self.labels.take(order)
         self.image_hw, self.rows, ar = self.image_hw[order], self.rows[order], ar[order]
         nb = math.ceil(len(ar) / batch_size)
         rel_hw = np.ones((nb, 2))  # each batch's (h, w) relative to img_size
