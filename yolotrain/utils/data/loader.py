@@ -195,8 +195,8 @@ def _dataset_once(info: DistInfo, cache_dir: Path | None,
 @dataclass(frozen=True)
 class LoaderSpec:
     """Everything a loader is built from, in one typed value (``build_loader``): ``data``, what is loaded (the split,
-    its size, classes and augmentation: ``DatasetSpec``), and how. ``batch``: the global batch and its share on each
-    of ``info``'s ranks (``dist.batch_split``).
+    its size, classes and augmentation: ``DatasetSpec``); ``batch``, the global batch and its share on each of
+    ``info``'s ranks (``dist.batch_split``); the rest, how it is loaded and where its problems are written.
 
     ``training`` marks a training loader (TrainSampler, equal batch count on every rank, a split without any label
     is an error); otherwise evaluation (InferenceSampler; no labels is a warning). ``report_dir``: the run folder,
