@@ -30,6 +30,7 @@ from yolotrain.utils.data.shapes import generate_shapes
 from yolotrain.utils.data.augment import resize_long_side
 from yolotrain.utils.core.cli import ArgumentParser, Range
 from yolotrain.utils.data.imgcache import build_or_open
+from yolotrain.utils.data.split import FileCacheSource
 from yolotrain.utils.core.logging import setup_logging
 
 
@@ -97,7 +98,7 @@ def main() -> None:
 
     generate_shapes(args.root, seed=0, n_train=args.images, n_val=0, img_size=args.img_size)
     im_files = sorted(str(p) for p in (args.root / "images" / "train").iterdir())
-    cache = build_or_open(im_files, args.img_size, False, "ram", num_threads=2)
+    cache = build_or_open(im_files, args.img_size, False, "ram", FileCacheSource(im_files), num_threads=2)
     try:
         size_kb = cache.file.stat().st_size / 1024
         blob = pickle.dumps(cache)

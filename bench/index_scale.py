@@ -109,7 +109,8 @@ def probe(index: Path, opt: argparse.Namespace) -> None:
     with dist.process_group(info, torch.device("cpu")):
         dist.barrier()
         t0 = time.perf_counter()
-        loader = create_dataloader(str(index), opt.imgsz, opt.batch_size, 32, info=info, hyp=Hyp(), augment=True,
+        batch = opt.batch_size * info.world_size  # the flag is per rank, the loader's batch global
+        loader = create_dataloader(str(index), opt.imgsz, batch, 32, info=info, hyp=Hyp(), augment=True,
                                    workers=0, shuffle=True, seed=0, nc=NC)
         dataset, sampler = loader.dataset, loader.sampler
         t_open = time.perf_counter() - t0

@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench.val_speed import Timers  # noqa: E402
 from yolotrain.utils.core.cli import IMGSZ, ArgumentParser, Range  # noqa: E402
 from yolotrain.utils.core.cpu import tune_malloc  # noqa: E402
-from yolotrain.utils.core.dist import DistInfo  # noqa: E402
+from yolotrain.utils.core.dist import BatchSplit, DistInfo  # noqa: E402
 from yolotrain.utils.core.hyp import Hyp, load_hyp  # noqa: E402
 from yolotrain.utils.data import dataset as dataset_module  # noqa: E402
 from yolotrain.utils.data import render as render_module  # noqa: E402
@@ -69,10 +69,10 @@ STAGES = ("read+decode", "plan", "placement", "warp", "colour", "flip", "assembl
 
 def stage_times(data, hyp: Hyp, imgsz: int, batch: int, batches: int) -> dict[str, float]:
     """Ours, in process: ms per sample of each stage over ``batches`` training batches (epoch 0, mosaic on)."""
-    ds = dataset_module.LoadImagesAndLabels(data.train, imgsz, batch, augment=True, hyp=hyp, nc=data.nc,
-                                            verbose=False)
+    spec = dataset_module.DatasetSpec(data.train, nc=data.nc, img_size=imgsz, augment=True, hyp=hyp)
+    ds = dataset_module.LoadImagesAndLabels(spec, batch_size=batch, verbose=False)
     ds.memory = BatchMemory(reuse=True)
-    sampler = TrainSampler(len(ds), seed=0, batch_size=batch)
+    sampler = TrainSampler(len(ds), seed=0, batch=BatchSplit(batch, 1))
     sampler.set_epoch(0)
     keys = list(sampler)
     groups = [keys[i:i + batch] for i in range(0, min(len(keys), batch * (batches + 1)), batch)]

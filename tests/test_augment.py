@@ -15,7 +15,7 @@ from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.data.augment import (blend, box_candidates, mixup_ratio, needs_warp, perspective_matrix, resized_hw,
                                 resized_hw_all, warp_boxes, warp_image)
-from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 from yolotrain.utils.data.labels import img2label_paths
 from yolotrain.utils.data.loader import create_dataloader
 
@@ -143,7 +143,7 @@ def test_labels_on_pixels_mosaic_and_plain(colour_root, mosaic):
     """Mosaic (4 tiles + perspective) and the plain path (letterbox + perspective) keep boxes on their objects."""
     s = 128
     hyp = dataclasses.replace(GEOMETRY_ONLY, mosaic=mosaic)
-    data = LoadImagesAndLabels(colour_root, img_size=s, augment=True, hyp=hyp, nc=6, verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(colour_root, nc=6, img_size=s, augment=True, hyp=hyp), verbose=False)
     multi = 0
     for epoch in range(3):
         for i in range(len(data)):
@@ -168,17 +168,18 @@ def test_labels_on_pixels_mosaic_and_plain(colour_root, mosaic):
 
 
 def test_rect_training_has_no_mosaic(shapes_train):
-    data = LoadImagesAndLabels(shapes_train, img_size=96, batch_size=4, augment=True, hyp=FULL, rect=True, nc=6,
-                               verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=FULL, rect=True),
+                               batch_size=4, verbose=False)
     for i in range(len(data)):
         img, _, _, placed, _ = data[(1, i)]
         assert placed is not None and tuple(img.shape[1:]) == tuple(data.batch_shapes[data.batch_index[i]])
 
 
 def test_close_mosaic(shapes_train):
-    data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=4, verbose=False)
-    plain = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mosaic=0.0),
-                                nc=6, seed=4, verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=FULL, seed=4),
+                               verbose=False)
+    plain = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True,
+                                            hyp=dataclasses.replace(FULL, mosaic=0.0), seed=4), verbose=False)
     for i in range(0, len(data), 3):
         assert data[(1, i, True)][3] is None  # still mosaic before the switch
         assert not torch.equal(data[(1, i, True)][0], plain[(1, i)][0])
@@ -190,22 +191,25 @@ def test_close_mosaic(shapes_train):
 # ---------------------------------------------------------------- determinism
 def test_same_sample_whatever_the_order(shapes_train):
     items = [(e, i) for e in (0, 1, 7) for i in range(12)]
-    first = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=1, verbose=False)
+    first = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=FULL, seed=1),
+                                verbose=False)
     want = {it: first[it] for it in items}
-    second = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=1, verbose=False)
+    second = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=FULL, seed=1),
+                                 verbose=False)
     order = np.random.default_rng(0).permutation(len(items))
     for k in order:
         second[(3, int(k) % 12)]  # unrelated fetches in between change nothing
         got = second[items[k]]
         assert got[0].numpy().tobytes() == want[items[k]][0].numpy().tobytes()
         assert torch.equal(got[1], want[items[k]][1])
-    other_seed = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=FULL, nc=6, seed=2, verbose=False)
+    other_seed = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=FULL, seed=2),
+                                     verbose=False)
     assert not torch.equal(other_seed[(0, 0)][0], want[(0, 0)][0])
 
 
 def test_global_rngs_untouched(shapes_train):
-    data = LoadImagesAndLabels(shapes_train, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mixup=1.0,
-                               perspective=0.0005), nc=6, verbose=False)
+    hyp = dataclasses.replace(FULL, mixup=1.0, perspective=0.0005)
+    data = LoadImagesAndLabels(DatasetSpec(shapes_train, nc=6, img_size=96, augment=True, hyp=hyp), verbose=False)
     np_state, py_state, torch_state = np.random.get_state(), random.getstate(), torch.get_rng_state()
     for i in range(4):
         data[(i, i)]
@@ -219,8 +223,8 @@ MIX = dataclasses.replace(FULL, mixup=1.0)
 
 def _loader(root: Path, workers: int, rank: int = 0, world_size: int = 1):
     info = DistInfo(rank=rank, world_size=world_size, local_world_size=world_size)
-    return create_dataloader(root, 96, 4, 32, hyp=MIX, augment=True, shuffle=True, info=info, workers=workers,
-                             seed=5, nc=6)
+    return create_dataloader(root, 96, 4 * world_size, 32, hyp=MIX, augment=True, shuffle=True, info=info,
+                             workers=workers, seed=5, nc=6)
 
 
 def _epoch(loader, epoch: int) -> list:

@@ -18,7 +18,7 @@ from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.data import labelcache
 from tests.helpers import global_indices
 from yolotrain.utils.data.augment import apply_hsv, flip_draws, flip_labels, hsv_gains, letterbox
-from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 from yolotrain.utils.data.labels import img2label_paths, resolve_image_files
 from yolotrain.utils.data.loader import InferenceSampler, TrainSampler, create_dataloader
 
@@ -117,8 +117,8 @@ def test_labels_land_on_pixels(tmp_path, rect, augment):
     specs = [((100, 200), (30, 20, 90, 70)), ((150, 90), (0, 40, 50, 150)), ((64, 64), (10, 10, 60, 30))]
     for k, (hw, box) in enumerate(specs):
         _box_image(tmp_path / "images" / f"{k}.png", hw, box)
-    data = LoadImagesAndLabels(tmp_path / "images", img_size=128, batch_size=2, augment=augment,
-                               hyp=NO_COLOUR, rect=rect, nc=1)
+    data = LoadImagesAndLabels(DatasetSpec(tmp_path / "images", nc=1, img_size=128, augment=augment, hyp=NO_COLOUR,
+                                           rect=rect), batch_size=2)
     for i in range(len(data)):
         for epoch in range(3 if augment else 1):
             img, labels, path, placed, index = data[(epoch, i)]
@@ -169,7 +169,7 @@ def test_flip_and_hsv_use_only_given_rng():
 
 # ---------------------------------------------------------------- dataset
 def test_dataset_contents(shapes_root):
-    data = LoadImagesAndLabels(shapes_root / "images" / "train", img_size=320, nc=6)
+    data = LoadImagesAndLabels(DatasetSpec(shapes_root / "images" / "train", nc=6, img_size=320))
     assert len(data) == 24 and data.image_hw.shape == (24, 2) and len(data.labels) == 24
     assert data.counts["images"] == 24 and data.counts["corrupt"] == 0
     for i in (0, 5):
@@ -178,7 +178,7 @@ def test_dataset_contents(shapes_root):
         img, labels, *_ = data[i]
         assert img.shape == (3, 320, 320) and labels.shape[1] == 6
         assert (labels[:, 2:] >= 0).all() and (labels[:, 2:] <= 1).all()
-    single = LoadImagesAndLabels(shapes_root / "images" / "train", img_size=320, nc=6, single_cls=True)
+    single = LoadImagesAndLabels(DatasetSpec(shapes_root / "images" / "train", nc=6, img_size=320, single_cls=True))
     assert all((x[:, 0] == 0).all() for x in single.labels)
 
 
@@ -198,7 +198,7 @@ def test_rect_training_two_ranks_stack(shapes_root):
     """Interleaved training shards with rect: every local batch shares one shape."""
     seen = []
     for rank in (0, 1):
-        loader = create_dataloader(shapes_root / "images" / "train", 320, 5, 32, rect=True, augment=True,
+        loader = create_dataloader(shapes_root / "images" / "train", 320, 10, 32, rect=True, augment=True,
                                    shuffle=True, info=DistInfo(rank=rank, world_size=2, local_world_size=2),
                                    nc=6, workers=0)
         seen += [i for b in loader for i in b.indices.tolist()]
@@ -290,12 +290,12 @@ def test_inference_sampler():
 # ---------------------------------------------------------------- cache
 def test_cache_reuse_and_invalidation(copy_root, logs):
     train = copy_root / "images" / "train"
-    first = LoadImagesAndLabels(train, img_size=320, nc=6)
+    first = LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320))
     cache = copy_root / "labels" / "train.cache.npz"
     assert not first.cache_hit and cache.is_file()
     with np.load(cache, allow_pickle=False) as z:  # no pickle anywhere in the file
         assert all(z[k].dtype != object for k in z.files)
-    second = LoadImagesAndLabels(train, img_size=320, nc=6)
+    second = LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320))
     assert second.cache_hit and any("(from cache)" in m for m in logs)
     assert all(np.array_equal(a, b) for a, b in zip(first.labels, second.labels))
 
@@ -307,22 +307,22 @@ def test_cache_reuse_and_invalidation(copy_root, logs):
     st = label.stat()
     label.write_text(new)
     os.utime(label, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    third = LoadImagesAndLabels(train, img_size=320, nc=6)
+    third = LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320))
     assert not third.cache_hit
     k = img2label_paths(third.im_files).index(str(label))
     assert third.labels[k][0, 0] == float(new[0])
-    assert LoadImagesAndLabels(train, img_size=320, nc=6).cache_hit
-    assert not LoadImagesAndLabels(train, img_size=320, nc=7).cache_hit  # class count is in the hash
+    assert LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320)).cache_hit
+    assert not LoadImagesAndLabels(DatasetSpec(train, nc=7, img_size=320)).cache_hit  # class count is in the hash
 
 
 def test_corrupt_cache_file_rebuilt(copy_root, logs):
     train = copy_root / "images" / "train"
-    LoadImagesAndLabels(train, img_size=320, nc=6)
+    LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320))
     cache = copy_root / "labels" / "train.cache.npz"
     cache.write_bytes(b"not a zip file at all")
-    data = LoadImagesAndLabels(train, img_size=320, nc=6)
+    data = LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320))
     assert not data.cache_hit and any("unreadable cache" in m for m in logs)
-    assert LoadImagesAndLabels(train, img_size=320, nc=6).cache_hit
+    assert LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320)).cache_hit
 
 
 def test_cache_fallback_when_primary_unwritable(copy_root, tmp_path, logs, monkeypatch):
@@ -336,12 +336,12 @@ def test_cache_fallback_when_primary_unwritable(copy_root, tmp_path, logs, monke
     monkeypatch.setattr(labelcache, "save_cache", refuse_primary)
     cache_dir = tmp_path / "fallback"
     train = copy_root / "images" / "train"
-    assert not LoadImagesAndLabels(train, img_size=320, nc=6, cache_dir=cache_dir).cache_hit
+    assert not LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320), cache_dir=cache_dir).cache_hit
     assert len(list(cache_dir.glob("*.cache.npz"))) == 1
     assert sum("label cache saved to" in m for m in logs) == 1
-    assert LoadImagesAndLabels(train, img_size=320, nc=6, cache_dir=cache_dir).cache_hit
+    assert LoadImagesAndLabels(DatasetSpec(train, nc=6, img_size=320), cache_dir=cache_dir).cache_hit
     monkeypatch.setattr(labelcache, "save_cache", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only")))
-    assert not LoadImagesAndLabels(train, img_size=320, nc=7, cache_dir=cache_dir).cache_hit
+    assert not LoadImagesAndLabels(DatasetSpec(train, nc=7, img_size=320), cache_dir=cache_dir).cache_hit
     assert any("continuing without a cache" in m for m in logs)
 
 
@@ -351,7 +351,8 @@ def test_cache_fallback_read_only_folder(copy_root, tmp_path, logs):
     try:
         if os.access(labels, os.W_OK):
             pytest.skip("running as root: chmod does not make the folder read-only")
-        data = LoadImagesAndLabels(copy_root / "images" / "train", img_size=320, nc=6, cache_dir=tmp_path / "c")
+        data = LoadImagesAndLabels(DatasetSpec(copy_root / "images" / "train", nc=6, img_size=320),
+                                   cache_dir=tmp_path / "c")
         assert not data.cache_hit and list((tmp_path / "c").glob("*.cache.npz"))
         assert sum("label cache saved to" in m for m in logs) == 1
     finally:
@@ -367,7 +368,7 @@ def test_bad_label_rows_reported(copy_root, logs):
     lbl[3].write_text("0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2 0.2\n")
     lbl[4].unlink()
     (copy_root / "images" / "train" / "train_000005.jpg").write_bytes(b"garbage")
-    data = LoadImagesAndLabels(copy_root / "images" / "train", img_size=320, nc=6)
+    data = LoadImagesAndLabels(DatasetSpec(copy_root / "images" / "train", nc=6, img_size=320))
     text = "\n".join(logs)
     assert f"{lbl[0]}: line 2: class outside [0, 5]" in text
     assert f"{lbl[1]}: line 1: expected 5 columns" in text and f"{lbl[2]}: line 1: non-numeric" in text
@@ -382,13 +383,13 @@ def test_bad_label_rows_reported(copy_root, logs):
 
 def test_missing_and_unusable_datasets(tmp_path):
     with pytest.raises(UserError, match="does_not_exist"):
-        LoadImagesAndLabels(tmp_path / "does_not_exist", nc=1)
+        LoadImagesAndLabels(DatasetSpec(tmp_path / "does_not_exist", nc=1))
     bad = tmp_path / "bad" / "images"
     bad.mkdir(parents=True)
     for k in range(3):
         (bad / f"{k}.jpg").write_bytes(b"not an image")
     with pytest.raises(UserError, match=r"bad/images: no usable images \(3 corrupt"):
-        LoadImagesAndLabels(bad, nc=1)
+        LoadImagesAndLabels(DatasetSpec(bad, nc=1))
 
 
 # ---------------------------------------------------------------- splits without labels, problem reports
@@ -445,7 +446,7 @@ def test_every_problem_goes_to_the_report_file_also_from_the_cache(tmp_path, log
     reports = []
     for run in ("exp", "exp2"):
         logs.clear()
-        data = LoadImagesAndLabels(imgs, nc=1, prefix="train: ", report_dir=tmp_path / "runs" / run)
+        data = LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="train: ", report_dir=tmp_path / "runs" / run)
         assert data.cache_hit == (run == "exp2")
         report = tmp_path / "runs" / run / "dataset_problems_train.txt"
         lines = report.read_text().splitlines()
@@ -465,20 +466,20 @@ def test_every_problem_goes_to_the_report_file_also_from_the_cache(tmp_path, log
 def test_report_only_when_there_are_problems(tmp_path, logs):
     imgs = _tiny_split(tmp_path / "ds", 3, labelled=3)
     run = tmp_path / "runs" / "exp"
-    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)
+    LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="val: ", report_dir=run)
     assert not run.exists()  # nothing to report: no folder either
     (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5\n")
-    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run, verbose=False)
+    LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="val: ", report_dir=run, verbose=False)
     assert not run.exists()  # only the verbose rank (rank 0) writes
-    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)
+    LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="val: ", report_dir=run)
     assert (run / "dataset_problems_val.txt").read_text().count("000.txt: line 1: expected 5 columns") == 1
     assert any(f"(all listed in {run / 'dataset_problems_val.txt'})" in m for m in logs)
     (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5 0.1 0.1\n")
-    LoadImagesAndLabels(imgs, nc=1, prefix="val: ", report_dir=run)  # fixed: the old report goes
+    LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="val: ", report_dir=run)  # fixed: the old report goes
     assert not (run / "dataset_problems_val.txt").exists()
     logs.clear()
     (tmp_path / "ds" / "labels" / "train" / "000.txt").write_text("0 0.5 0.5\n")
-    LoadImagesAndLabels(imgs, nc=1, prefix="val: ")  # no report folder: console as before, no path
+    LoadImagesAndLabels(DatasetSpec(imgs, nc=1), prefix="val: ")  # no report folder: console as before, no path
     assert any("1 dataset problem(s):" in m for m in logs) and not any("listed in" in m for m in logs)
 
 

@@ -76,14 +76,14 @@ def test_coco_remaps_ids_drops_crowd_clips_and_keeps_backgrounds(tmp_path):
 
 def test_converted_dataset_loads_with_the_project_loader(tmp_path):
     from yolotrain.utils.data.config import load_data_config, prepare_dataset
-    from yolotrain.utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 
     _coco(tmp_path / "coco")
     convert_coco(tmp_path / "coco", tmp_path / "out")
     cfg = load_data_config(tmp_path / "out" / "data.yaml")
     prepare_dataset(cfg)
     assert cfg.names == ["car", "cat", "toothbrush"] and cfg.category_ids == [3, 17, 90]
-    ds = LoadImagesAndLabels(cfg.val, img_size=64, nc=cfg.nc, verbose=False)
+    ds = LoadImagesAndLabels(DatasetSpec(cfg.val, nc=cfg.nc, img_size=64), verbose=False)
     assert ds.counts["images"] == 3 and ds.counts["backgrounds"] == 1 and ds.counts["instances"] == 3
     assert ds.counts["clipped"] == 0 and ds.counts["dropped"] == 0  # nothing for the scan to fix
     assert ds.image_hw.tolist() == [[48, 64], [30, 40], [32, 32]]
@@ -92,7 +92,7 @@ def test_converted_dataset_loads_with_the_project_loader(tmp_path):
 def test_ground_truth_gives_a_small_box_far_from_the_origin_back_exactly(tmp_path):
     """float32 would lose ~1e-5 of w = x2 - x1 here; the ground truth keeps the source box to 1e-9."""
     from yolotrain.utils.data.config import load_data_config
-    from yolotrain.utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
     from yolotrain.utils.eval.coco import SourceIds, dataset_ground_truth
 
     boxes = [[4093.37, 3070.11, 1.93, 2.07], [0.13, 0.27, 4000.5, 3.3], [2.2, 1.1, 0.71, 0.35]]
@@ -100,7 +100,7 @@ def test_ground_truth_gives_a_small_box_far_from_the_origin_back_exactly(tmp_pat
           annotations=[{"id": k + 1, "image_id": 5, "category_id": 3, "bbox": b} for k, b in enumerate(boxes)])
     convert_coco(tmp_path / "coco", tmp_path / "out")
     cfg = load_data_config(tmp_path / "out" / "data.yaml")
-    ds = LoadImagesAndLabels(cfg.val, img_size=64, nc=cfg.nc, verbose=False)
+    ds = LoadImagesAndLabels(DatasetSpec(cfg.val, nc=cfg.nc, img_size=64), verbose=False)
     gt = dataset_ground_truth(ds, cfg.names, SourceIds.from_data(cfg, cfg.names))
     assert [im["id"] for im in gt["images"]] == [5] and [c["id"] for c in gt["categories"]] == [3, 17, 90]
     got = sorted(a["bbox"] for a in gt["annotations"])

@@ -212,13 +212,13 @@ def test_missing_source_exits_1_with_one_line(tiny_v5n, tmp_path):
 
 # ---------------------------------------------------------------- library units
 def test_letterbox_equals_the_val_loaders_square_input(tmp_path):
-    from yolotrain.utils.data.dataset import LoadImagesAndLabels
+    from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 
     rng = np.random.default_rng(0)
     (tmp_path / "images").mkdir()
     for i, (h, w) in enumerate([(40, 130), (130, 40), (64, 64), (200, 90), (17, 300)]):
         cv2.imwrite(str(tmp_path / "images" / f"im{i}.png"), rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
-    dataset = LoadImagesAndLabels(str(tmp_path / "images"), 96, nc=1, verbose=False)
+    dataset = LoadImagesAndLabels(DatasetSpec(str(tmp_path / "images"), nc=1, img_size=96), verbose=False)
     for k, f in enumerate(dataset.im_files):
         image, _, _, placed, _ = dataset[k]
         mine, my_placed = letterbox_image(cv2.imread(f), 96)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from tests.helpers import global_indices
+from yolotrain.utils.core.dist import BatchSplit
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.data.batch import BatchMemory
-from yolotrain.utils.data.dataset import LoadImagesAndLabels, SampleKey
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels, SampleKey
 from yolotrain.utils.data.device_augment import render_batch
 from yolotrain.utils.data.loader import MOSAIC_POOL, TrainSampler, create_dataloader
 
@@ -46,7 +47,7 @@ def test_drawing_never_reads_the_device(shapes):
     """Every decision comes from the host's rows: drawn on the meta device (shapes, no data), a batch with
     mosaic, mixup, perspective and HSV comes out, as no data-dependent step on the device's tensors could."""
     hyp = dataclasses.replace(FULL, perspective=0.0005)
-    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=hyp, nc=6, seed=4, verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=hyp, seed=4), verbose=False)
     data.render_on_device = True
     batch = data.__getitems__([SampleKey(0, i, True, tuple(j for j in range(16) if j != i)) for i in range(12)])
     plan = batch.deferred.samples.numpy()
@@ -57,7 +58,8 @@ def test_drawing_never_reads_the_device(shapes):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_device_path_draws_what_the_loader_draws(shapes, case):
-    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=CASES[case], nc=6, seed=4, verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=CASES[case], seed=4),
+                               verbose=False)
     keys = [SampleKey(e, i, True, tuple(j for j in range(16) if j != i)) for e in (0, 3) for i in range(12)]
     cpu, dev, img = _both(data, keys)
     assert dev.images is None and torch.equal(cpu.targets, dev.targets) and torch.equal(cpu.indices, dev.indices)
@@ -71,8 +73,8 @@ def test_device_path_draws_what_the_loader_draws(shapes, case):
 
 def test_rect_letterbox_batches_render_alike(shapes):
     """Rectangular training (no mosaic, letterboxed to the batch shape) on the device path."""
-    data = LoadImagesAndLabels(shapes, img_size=96, batch_size=4, augment=True, hyp=FULL, rect=True, nc=6,
-                               verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=FULL, rect=True),
+                               batch_size=4, verbose=False)
     cpu, dev, img = _both(data, [SampleKey(1, i) for i in range(4)])
     assert torch.equal(cpu.targets, dev.targets) and img.shape == cpu.images.shape
     assert (cpu.images.float() - img * 255).abs().mean() < 0.05
@@ -99,7 +101,7 @@ def test_device_batches_do_not_depend_on_workers(shapes):
 def test_each_rank_takes_a_block_of_every_global_batch():
     n, per_rank = 45, 4
     for ws in (1, 2, 3):
-        samplers = [TrainSampler(n, r, ws, seed=1, batch_size=per_rank) for r in range(ws)]
+        samplers = [TrainSampler(n, r, ws, seed=1, batch=BatchSplit(per_rank * ws, ws)) for r in range(ws)]
         for s in samplers:
             s.set_epoch(2)
         order = global_indices(samplers[0])
@@ -119,7 +121,7 @@ def test_pools_do_not_depend_on_the_world_size():
     for ws, per_rank in ((1, 32), (2, 16), (4, 8)):
         pools = {}
         for r in range(ws):
-            s = TrainSampler(n, r, ws, seed=5, batch_size=per_rank)
+            s = TrainSampler(n, r, ws, seed=5, batch=BatchSplit(per_rank * ws, ws))
             s.set_epoch(1)
             pools.update({k.index: k.pool for k in s})
         seen[ws] = pools
@@ -129,12 +131,12 @@ def test_pools_do_not_depend_on_the_world_size():
 
 def test_a_batch_reads_each_image_once(shapes, monkeypatch):
     """With the per-rank batch a multiple of the pool, every mosaic partner is in the batch: one read per sample."""
-    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=dataclasses.replace(FULL, mixup=0.0), nc=6,
-                               verbose=False)
+    hyp = dataclasses.replace(FULL, mixup=0.0)
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=hyp), verbose=False)
     reads = []
     load = data.load_image
     monkeypatch.setattr(data, "load_image", lambda i: reads.append(i) or load(i))
-    sampler = TrainSampler(len(data), batch_size=16)
+    sampler = TrainSampler(len(data), batch=BatchSplit(16, 1))
     sampler.set_epoch(0)
     keys = list(sampler)[:16]
     batch = data.__getitems__(keys)
@@ -142,7 +144,7 @@ def test_a_batch_reads_each_image_once(shapes, monkeypatch):
 
 
 def test_mosaics_take_partners_from_their_pool(shapes):
-    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=FULL, nc=6, verbose=False)
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=FULL), verbose=False)
     pool = (3, 5, 7, 11)
     for e in range(4):
         plan = data.plan(SampleKey(e, 0, True, pool))
@@ -182,7 +184,7 @@ def test_worker_batches_arrive_in_shared_memory_unchanged(shapes):
 @pytest.mark.cuda
 def test_cuda_draws_what_the_cpu_draws(shapes):
     """The same packed batch drawn on CUDA and on CPU tensors: the same images but for float rounding."""
-    data = LoadImagesAndLabels(shapes, img_size=96, augment=True, hyp=CASES["perspective"], nc=6, seed=4,
+    data = LoadImagesAndLabels(DatasetSpec(shapes, nc=6, img_size=96, augment=True, hyp=CASES["perspective"], seed=4),
                                verbose=False)
     data.render_on_device = True
     batch = data.__getitems__([SampleKey(1, i, True, tuple(j for j in range(16) if j != i)) for i in range(16)])

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import ROOT, TORCHRUN, run
 from yolotrain.utils.data import imgcache
 from yolotrain.utils.data.augment import resize_long_side
+from yolotrain.utils.data.split import FileCacheSource
 from yolotrain.utils.core.errors import UserError
 
 
@@ -48,7 +49,7 @@ def shm(tmp_path, monkeypatch) -> Path:
 @pytest.mark.parametrize("augment", [True, False])
 @pytest.mark.parametrize("mode", ["ram", "disk"])
 def test_cached_images_equal_uncached(images, shm, tmp_path, augment, mode):
-    cache = imgcache.build_or_open(images, 64, augment, mode, cache_dir=None, num_threads=2)
+    cache = imgcache.build_or_open(images, 64, augment, mode, FileCacheSource(images), num_threads=2)
     assert cache.built and cache.file.parent == (shm if mode == "ram" else tmp_path / "data" / "labels")
     assert cache.file.name.endswith(".imgcache.npy") and cache.index_file.is_file() and len(cache) == len(images)
     for i, f in enumerate(images):
@@ -62,36 +63,36 @@ def test_cached_images_equal_uncached(images, shm, tmp_path, augment, mode):
 
 
 def test_inter_area_and_linear_get_separate_files(images, shm):
-    a = imgcache.build_or_open(images, 32, True, "ram")
-    b = imgcache.build_or_open(images, 32, False, "ram")
-    c = imgcache.build_or_open(images, 48, False, "ram")
+    a = imgcache.build_or_open(images, 32, True, "ram", FileCacheSource(images))
+    b = imgcache.build_or_open(images, 32, False, "ram", FileCacheSource(images))
+    c = imgcache.build_or_open(images, 48, False, "ram", FileCacheSource(images))
     assert len({a.file, b.file, c.file}) == 3
 
 
 def test_second_open_reuses_the_file(images, shm):
-    first = imgcache.build_or_open(images, 64, False, "ram")
+    first = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     mtime = first.file.stat().st_mtime_ns
-    second = imgcache.build_or_open(images, 64, False, "ram")
+    second = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     assert not second.built and second.file == first.file and second.file.stat().st_mtime_ns == mtime
 
 
 def test_changed_image_makes_a_new_file_and_drops_the_stale_one(images, shm):
-    first = imgcache.build_or_open(images, 64, False, "ram")
+    first = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     cv2.imwrite(images[0], np.full((50, 70, 3), 7, np.uint8))
-    second = imgcache.build_or_open(images, 64, False, "ram")
+    second = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     assert second.built and second.file != first.file
     assert np.array_equal(second.get(0)[0], _uncached(images[0], 64, False)[0])
     assert not first.file.exists()  # a stale RAM cache would hold memory until reboot
 
 
 def test_incomplete_build_is_rebuilt(images, shm):
-    first = imgcache.build_or_open(images, 64, False, "ram")
+    first = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     first.index_file.unlink()  # as if killed before the index (written last) landed
-    assert imgcache.build_or_open(images, 64, False, "ram").built
+    assert imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images)).built
 
 
 def test_pickle_is_tiny_and_reads_the_same(images, shm):
-    cache = imgcache.build_or_open(images, 64, True, "ram")
+    cache = imgcache.build_or_open(images, 64, True, "ram", FileCacheSource(images))
     cache.get(0)  # mapped in this process: the map must not travel
     blob = pickle.dumps(cache)
     assert len(blob) < 1024, len(blob)
@@ -103,14 +104,14 @@ def test_pickle_is_tiny_and_reads_the_same(images, shm):
 def test_shapes_from_the_label_scan_are_used(images, shm, monkeypatch):
     image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
     monkeypatch.setattr(imgcache, "header_hw", lambda files: pytest.fail("re-read headers"))
-    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
+    cache = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images), image_hw=image_hw)
     assert np.array_equal(cache.get(5)[0], _uncached(images[5], 64, False)[0])
 
 
 def test_an_image_unreadable_at_build_time_is_left_to_the_dataset(images, shm):
     image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
     Path(images[2]).write_bytes(b"not a picture any more")  # broken after the scan recorded its size
-    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
+    cache = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images), image_hw=image_hw)
     assert cache.meta["uncached"] == 1 and cache.get(2) is None
     assert np.array_equal(cache.get(3)[0], _uncached(images[3], 64, False)[0])
 
@@ -118,7 +119,7 @@ def test_an_image_unreadable_at_build_time_is_left_to_the_dataset(images, shm):
 def test_wrong_header_size_falls_back_to_disk(images, shm):
     image_hw = np.array([cv2.imread(f).shape[:2] for f in images])
     image_hw[1] = (10, 10)  # a lying header: this image is left to the dataset's own read
-    cache = imgcache.build_or_open(images, 64, False, "ram", image_hw=image_hw)
+    cache = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images), image_hw=image_hw)
     assert cache.meta["uncached"] == 1 and cache.get(1) is None
     for i, f in enumerate(images):
         if i != 1:
@@ -129,13 +130,13 @@ def test_refuses_when_it_does_not_fit(images, shm, monkeypatch):
     monkeypatch.setattr(imgcache, "free_bytes", lambda folder, mode: (1_100_000, f"is free in {folder}"))
     with pytest.raises(UserError, match=r"--cache ram needs .* for 6 images at 64 px but only 1.1 MB is free in "
                                         r".*shm.*use --cache disk or no cache"):
-        imgcache.build_or_open(images, 64, False, "ram")
+        imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     assert not list(shm.iterdir())
 
 
 def test_unknown_mode_is_a_user_error(images):
     with pytest.raises(UserError, match="--cache memory"):
-        imgcache.build_or_open(images, 64, False, "memory")
+        imgcache.build_or_open(images, 64, False, "memory", FileCacheSource(images))
 
 
 @pytest.mark.slow
@@ -155,24 +156,24 @@ def test_torchrun_two_ranks_one_build(images, tmp_path):
 
 def test_disk_cache_follows_the_label_cache_folder(images, tmp_path):
     src = tmp_path / "data" / "images" / "train"
-    cache = imgcache.build_or_open(images, 64, False, "disk", path=str(src))
+    cache = imgcache.build_or_open(images, 64, False, "disk", FileCacheSource(images, path=str(src)))
     assert cache.file.parent == tmp_path / "data" / "labels" and cache.file.name.startswith("train.")
-    elsewhere = imgcache.build_or_open(images, 64, False, "disk", cache_dir=tmp_path / "cd")
+    elsewhere = imgcache.build_or_open(images, 64, False, "disk", FileCacheSource(images, cache_dir=tmp_path / "cd"))
     assert elsewhere.file.parent == tmp_path / "cd"
 
 
 def test_corrupt_index_is_rebuilt(images, shm):
-    first = imgcache.build_or_open(images, 64, False, "ram")
+    first = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     first.index_file.write_bytes(b"not a zip")
-    again = imgcache.build_or_open(images, 64, False, "ram")
+    again = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     assert again.built and np.array_equal(again.get(2)[0], _uncached(images[2], 64, False)[0])
 
 
 def test_stale_sweep_spares_other_sizes(images, shm):
-    other_size = imgcache.build_or_open(images, 48, False, "ram")
-    first = imgcache.build_or_open(images, 64, False, "ram")
+    other_size = imgcache.build_or_open(images, 48, False, "ram", FileCacheSource(images))
+    first = imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     cv2.imwrite(images[3], np.full((20, 90, 3), 9, np.uint8))
-    imgcache.build_or_open(images, 64, False, "ram")
+    imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
     assert not first.file.exists() and other_size.file.exists()
 
 
@@ -217,7 +218,7 @@ def test_a_cache_that_fits_only_under_the_host_ram_is_refused_in_a_container(ima
     monkeypatch.setattr(imgcache.shutil, "disk_usage", lambda folder: type("U", (), {"free": 50 * GIB})())
     _cgroup(host_ram, {"memory.max": str(GIB), "memory.current": str(GIB - 2**20), "memory.stat": ""})
     with pytest.raises(UserError, match=r"--cache ram needs .* but only 1.0 MB of RAM is available"):
-        imgcache.build_or_open(images, 64, False, "ram")
+        imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images))
 
 
 def test_loader_workers_shared_memory_is_kept_free(images, shm, monkeypatch):
@@ -229,7 +230,21 @@ def test_loader_workers_shared_memory_is_kept_free(images, shm, monkeypatch):
     monkeypatch.setattr(imgcache, "free_bytes", lambda folder, mode: (free, f"is free in {folder}"))
     with pytest.raises(UserError, match=r"--cache ram needs .* \(5.3 GB must stay free, 5.0 GB of it for the loader "
                                         r"workers' shared-memory batches\); use --cache disk"):
-        imgcache.build_or_open(images, 64, False, "ram", workers_shm=node)
+        imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images), workers_shm=node)
     assert not list(shm.iterdir())
-    assert imgcache.build_or_open(images, 64, False, "ram", workers_shm=2**20).built
-    assert imgcache.build_or_open(images, 64, False, "disk", cache_dir=shm / "d", workers_shm=node).built
+    assert imgcache.build_or_open(images, 64, False, "ram", FileCacheSource(images), workers_shm=2**20).built
+    disk = FileCacheSource(images, cache_dir=shm / "d")
+    assert imgcache.build_or_open(images, 64, False, "disk", disk, workers_shm=node).built
+
+
+@pytest.mark.parametrize("mode", ["ram", "disk"])
+def test_a_loader_over_image_files_keys_its_cache_by_the_files(images, shm, tmp_path, mode):
+    """The loader's --cache over a folder is the file cache of its images in the dataset's order, beside the labels."""
+    from yolotrain.utils.data.loader import create_dataloader
+
+    src = tmp_path / "data" / "images" / "train"
+    loader = create_dataloader(str(src), 64, 2, 32, nc=1, workers=0, cache=mode)
+    files = list(loader.dataset.im_files)
+    direct = imgcache.build_or_open(files, 64, False, mode, FileCacheSource(files, path=str(src)))
+    assert loader.dataset.imgcache.file == direct.file and not direct.built
+    assert direct.file.parent == (shm if mode == "ram" else tmp_path / "data" / "labels")

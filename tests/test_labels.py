@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from yolotrain.utils.core.errors import UserError
-from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 from yolotrain.utils.data.images import read_image_bgr
 from yolotrain.utils.data.labelcache import load_or_scan
 from yolotrain.utils.data.labels import (ScanResult, format_summary, img2label_paths, require_usable, resolve_image_files,
@@ -237,7 +237,7 @@ def test_no_usable_image_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match=r"allbad/images: no usable images \(4 corrupt of 4 found; first problems: .*a\.jpg: empty file"):
         require_usable(result, str(bad))
     with pytest.raises(UserError, match=r"allbad/images: no usable images"):
-        LoadImagesAndLabels(bad, nc=NC, verbose=False)
+        LoadImagesAndLabels(DatasetSpec(bad, nc=NC), verbose=False)
 
 
 # ---------------------------------------------------------------- splits without labels
@@ -257,7 +257,7 @@ def _split(root: Path, n: int, labels: str | None = "labels", split: str = "trai
 def test_misnamed_label_folder_is_one_clear_error(tmp_path, misnamed):
     imgs = _split(tmp_path / "ds", 4, labels=misnamed)
     with pytest.raises(UserError) as e:
-        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+        LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False, role="train")
     msg = str(e.value)
     assert msg.startswith(f"{imgs}: no label file found for any of its 4 images")
     assert f"Looked for label files in {tmp_path / 'ds' / 'labels' / 'train'}/:" in msg
@@ -266,8 +266,8 @@ def test_misnamed_label_folder_is_one_clear_error(tmp_path, misnamed):
     assert "without an 'images' folder has its labels beside the image" in msg
     assert "no option to train without labels" in msg and "background images" in msg
     # the same split for validation or direct use is no error (validation warns: tests/test_data.py)
-    assert len(LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="val")) == 4
-    assert len(LoadImagesAndLabels(imgs, nc=NC, verbose=False)) == 4
+    assert len(LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False, role="val")) == 4
+    assert len(LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False)) == 4
 
 
 def test_annotations_beside_the_images_are_named(tmp_path):
@@ -276,7 +276,7 @@ def test_annotations_beside_the_images_are_named(tmp_path):
         (imgs / f"{k}.txt").write_text(GOOD_ROW)
     (imgs / "0.xml").write_text("<annotation/>")
     with pytest.raises(UserError) as e:
-        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+        LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False, role="train")
     msg = str(e.value)
     expect = tmp_path / "ds" / "labels" / "train"
     assert f"3 .txt file(s) lie beside the images (e.g. {imgs / '0.txt'}): move them to {expect}/" in msg
@@ -291,7 +291,7 @@ def test_image_path_without_images_folder_looks_beside_the_images(tmp_path):
         cv2.imwrite(str(pics / f"{k}.jpg"), np.full((24, 32, 3), 90, np.uint8))
         (tmp_path / "ds" / "labels" / "train" / f"{k}.txt").write_text(GOOD_ROW)
     with pytest.raises(UserError) as e:
-        LoadImagesAndLabels(pics, nc=NC, verbose=False, role="train")
+        LoadImagesAndLabels(DatasetSpec(pics, nc=NC), verbose=False, role="train")
     msg = str(e.value)
     assert f"Looked for label files in {pics}/:" in msg and f"({pics / '0.jpg'} -> {pics / '0.txt'})" in msg
     assert "has a folder named 'Images': the rule needs exactly 'images'" in msg
@@ -303,7 +303,7 @@ def test_label_files_without_a_usable_row_are_an_error(tmp_path):
     (tmp_path / "ds" / "labels" / "train" / "2.txt").write_text("7 0.5 0.5 0.2 0.2\n")  # class outside [0, 2]
     with pytest.raises(UserError, match=r"no usable label in any of its 3 images: 2 label file\(s\) empty, 1 with "
                                          r"only bad rows \(1 rows dropped"):
-        LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+        LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False, role="train")
 
 
 def test_no_labels_error_after_the_cache_names_the_same(tmp_path):
@@ -312,7 +312,7 @@ def test_no_labels_error_after_the_cache_names_the_same(tmp_path):
     messages = []
     for _ in range(2):
         with pytest.raises(UserError) as e:
-            LoadImagesAndLabels(imgs, nc=NC, verbose=False, role="train")
+            LoadImagesAndLabels(DatasetSpec(imgs, nc=NC), verbose=False, role="train")
         messages.append(str(e.value))
     assert messages[0] == messages[1]
     assert (tmp_path / "ds" / "labels" / "train.cache.npz").is_file()  # the second one came from it

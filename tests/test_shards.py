@@ -16,7 +16,7 @@ import torch
 from tests.helpers import train_here
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.data.config import load_data_config
-from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 from yolotrain.utils.data.labels import LabelTable, img2label_paths, resolve_image_files, scan_labels
 from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.data.imgcache import release_ram_caches
@@ -101,14 +101,14 @@ def test_the_folder_is_written_whole_or_not_at_all(tmp_path, restore_logger):
 def test_a_split_reads_its_index_and_refuses_what_it_cannot_do(tmp_path, restore_logger):
     imgs = _folder(tmp_path / "src", 3)
     out = _make(imgs, tmp_path / "out", "--nc", "1")
-    ds = LoadImagesAndLabels([str(out / "train.index")], img_size=64, nc=1, verbose=False)
+    ds = LoadImagesAndLabels(DatasetSpec([str(out / "train.index")], nc=1, img_size=64), verbose=False)
     img, hw = ds.load_image(1)
     assert hw == (41, 48) and img.shape[:2] == (55, 64) and int(img[0, 0, 0]) == 20
     with pytest.raises(UserError, match="made for 1 classes, the dataset yaml has 2"):
-        LoadImagesAndLabels(out / "train.index", img_size=64, nc=2, verbose=False)
+        LoadImagesAndLabels(DatasetSpec(out / "train.index", nc=2, img_size=64), verbose=False)
     tar, cut = out / "train-000000.tar", int(ShardIndex.open(out / "train.index").arrays["offset"][2]) + 10
     tar.write_bytes(tar.read_bytes()[:cut])  # the last image's bytes cut short
-    last = LoadImagesAndLabels(out / "train.index", img_size=64, nc=1, verbose=False)
+    last = LoadImagesAndLabels(DatasetSpec(out / "train.index", nc=1, img_size=64), verbose=False)
     with pytest.raises(UserError, match=r"train-000000.tar/000000002.png: the shard ends \d+ bytes early"):
         last.load_image(2)
 
@@ -158,8 +158,9 @@ def test_a_shard_split_keeps_its_index_mapped_and_reorders_as_the_folder_does(tm
     with the labels still the index's mapped array (one copy per node, whatever the ranks)."""
     imgs = _folder(tmp_path / "src", 6)
     out = _make(imgs, tmp_path / "out", "--nc", "1")
-    kw = dict(img_size=64, batch_size=2, rect=True, nc=1, verbose=False)
-    folder, index = LoadImagesAndLabels(imgs, **kw), LoadImagesAndLabels(out / "train.index", **kw)
+    kw = dict(nc=1, img_size=64, rect=True)
+    folder = LoadImagesAndLabels(DatasetSpec(imgs, **kw), batch_size=2, verbose=False)
+    index = LoadImagesAndLabels(DatasetSpec(out / "train.index", **kw), batch_size=2, verbose=False)
     assert list(index.im_files) == folder.im_files and np.array_equal(index.batch_shapes, folder.batch_shapes)
     assert all(np.array_equal(a, b) for a, b in zip(index.labels, folder.labels))
     assert np.array_equal(index.image_hw, folder.image_hw) and np.array_equal(index.loaded_hw, folder.loaded_hw)

@@ -12,9 +12,10 @@ from yolotrain.models.heads.base import Ranks
 from yolotrain.models.yolo import Model
 from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.core.hyp import Hyp
-from yolotrain.utils.data.labels import COUNT_KEYS, LabelTable, ScanResult
+from yolotrain.utils.data.dataset import DatasetSpec
+from yolotrain.utils.data.labels import COUNT_KEYS, FileColumn, LabelTable, ScanResult
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
-from yolotrain.utils.data.split import Missing, Scan, SplitSource, open_split
+from yolotrain.utils.data.split import KeyedCacheSource, Missing, Scan, SplitSource, open_split
 
 
 # ---------------------------------------------------------------- a third source, in memory (under 60 lines)
@@ -36,13 +37,13 @@ class MemorySource:
         counts = {**dict.fromkeys(COUNT_KEYS, 0), "found": len(names), "images": len(names),
                   "backgrounds": int((table.counts() == 0).sum()), "instances": int(table.counts().sum())}
         hw = np.array([im.shape[:2] for im in self.images], np.int32)
-        return Scan(ScanResult(names, [n + ".txt" for n in names], table, hw, [], counts), " (in memory)")
+        return Scan(ScanResult(FileColumn(names), [n + ".txt" for n in names], table, hw, [], counts), " (in memory)")
 
     def read(self, row: int) -> np.ndarray:
         return self.images[row]
 
     def cache_source(self, rows, cache_dir, read):
-        return None
+        return KeyedCacheSource(read, f"{self.where} {rows.tolist()}", Path(cache_dir or "."), self.where)
 # ---------------------------------------------------------------- (end of the source)
 
 
@@ -66,8 +67,8 @@ def test_a_source_of_ones_own_trains_an_epoch_through_the_normal_loader(one_thre
 
     source = MemorySource(*_shapes(16))
     assert isinstance(source, SplitSource) and open_split(source) is source  # given as it is, never sniffed
-    loader = build_loader(LoaderSpec(source, 64, 4, 32, nc=3, training=True, augment=True, hyp=Hyp(), workers=0,
-                                     seed=1))
+    data = DatasetSpec(source, nc=3, img_size=64, stride=32, augment=True, hyp=Hyp(), seed=1)
+    loader = build_loader(LoaderSpec(data, BatchSplit(4, 1), training=True, workers=0))
     assert loader.dataset.counts["instances"] == 16 and len(loader) == 4
     torch.manual_seed(0)
     model = Model("yolov8n.yaml", nc=3).train()

@@ -38,6 +38,7 @@ from yolotrain.utils.core.logging import LOGGER, colorstr
 from yolotrain.utils.core.prologue import RunPrologue
 from yolotrain.utils.core.runs import pick_run_dir
 from yolotrain.utils.data.config import DEMO_DATA, DataConfig, load_data_config, prepare_dataset
+from yolotrain.utils.data.dataset import DatasetSpec
 from yolotrain.utils.data.imgcache import release_ram_caches
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
 from yolotrain.utils.engine.events import ValEvent, metric_summary
@@ -211,11 +212,12 @@ def get_loader(opt: argparse.Namespace, data: DataConfig, single_cls: bool, imgs
     task = task_split(opt)
     key = (str(data.file), task, imgsz, stride, single_cls, rect)
     if key not in loaders:  # nc is the file's class count: single-cls relabels rows to 0 after the scan
-        batch = dist.per_rank_batch(opt.batch_size, info)
+        what = DatasetSpec(data.sources[task], nc=len(data.names), img_size=imgsz, stride=stride,
+                           single_cls=single_cls, rect=rect, pad=0.5)
         loaders[key] = build_loader(LoaderSpec(
-            data.sources[task], imgsz, batch, stride, nc=len(data.names), info=info, single_cls=single_cls, rect=rect,
-            pad=0.5, workers=opt.workers, cache=opt.cache, cache_dir=opt.cache_dir, prefix=f"{task}: ",
-            report_dir=run_dir, reuse_memory=True))  # evaluation clones the batches it keeps
+            what, dist.batch_split(opt.batch_size, info), info=info, workers=opt.workers, cache=opt.cache,
+            cache_dir=opt.cache_dir, prefix=f"{task}: ", report_dir=run_dir,
+            reuse_memory=True))  # evaluation clones the batches it keeps
     return loaders[key]
 
 

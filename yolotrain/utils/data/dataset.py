@@ -10,6 +10,7 @@ count, world size or resume. Sizes are (h, w) (utils/data/geometry.py).
 from __future__ import annotations
 
 import math
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +28,6 @@ from yolotrain.utils.data.labels import LabelTable, format_summary, require_usab
 from yolotrain.utils.data.plan import PlanInputs, SamplePlan, plan_sample
 from yolotrain.utils.data.problems import check_label_presence, report_messages, write_problem_report
 from yolotrain.utils.data.render import Scratch, TileSource, render
-from yolotrain.utils.data.shards import SourceColumn
 from yolotrain.utils.data.split import open_split
 
 
@@ -43,6 +43,26 @@ class SampleKey(NamedTuple):
     pool: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a split is loaded as: ``source`` (a split's path: a folder, a .txt list, a shard index, or a list of
+    those; or a ``SplitSource``) with ``nc`` classes (the scan checks the labels against it; ``single_cls`` then
+    relabels every box 0), letterboxed to ``img_size`` (``rect``: per-batch rectangles of ``stride`` multiples,
+    ``pad`` strides more), with ``augment`` drawing ``hyp``'s augmentation from ``seed``."""
+
+    source: Any
+    _: KW_ONLY
+    nc: int
+    img_size: int = 640
+    stride: int = 32
+    augment: bool = False
+    hyp: Hyp | None = None
+    rect: bool = False
+    pad: float = 0.0
+    single_cls: bool = False
+    seed: int = 0
+
+
 # image (3, H, W) uint8 RGB, labels (n, 6) [0, cls, xc, yc, w, h] normalised, path, placement, index
 Sample = tuple[torch.Tensor, torch.Tensor, str, Placement | None, int]
 
@@ -56,25 +76,24 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
     ``np.random.default_rng([seed, epoch, index])`` only, so a sample is the same whichever
     worker, rank or resumed run produces it.
 
-    ``source``: a split's path (a folder, a .txt list, a shard index, or a list of those) or a ``SplitSource``.
-    ``role`` says what the split is for: "train" refuses a split without any box, "val" warns
+    ``spec``: what is loaded (``DatasetSpec``); ``batch_size``: images per batch over all ranks,
+    which share one rectangle under ``rect``; ``cache_dir``: where the scan's cache goes when it cannot sit beside
+    the labels. ``role`` says what the split is for: "train" refuses a split without any box, "val" warns
     about one, None (direct use) checks nothing. With ``verbose`` (rank 0) and a ``report_dir``,
     every scan problem is written to ``report_dir/dataset_problems_<split>.txt``. ``memory``: where batches are
     written (utils/data/batch.py); ``render_on_device``: batches carry tiles and plans for the training device.
     """
 
-    def __init__(self, source: Any, img_size: int = 640, batch_size: int = 16, augment: bool = False,
-                 hyp: Hyp | None = None, rect: bool = False, stride: int = 32, pad: float = 0.0,
-                 single_cls: bool = False, *, nc: int, seed: int = 0, cache_dir: Path | None = None,
-                 prefix: str = "", verbose: bool = True, role: str | None = None, report_dir: Path | None = None,
+    def __init__(self, spec: DatasetSpec, batch_size: int = 16, *, cache_dir: Path | None = None, prefix: str = "",
+                 verbose: bool = True, role: str | None = None, report_dir: Path | None = None,
                  memory: BatchMemory | None = None, render_on_device: bool = False) -> None:
-        self.source = open_split(source)
-        self.img_size, self.augment = img_size, augment
-        self.hyp = hyp if hyp is not None else Hyp()
-        self.rect, self.stride, self.pad, self.seed = rect, stride, pad, seed
+        self.source = open_split(spec.source)
+        self.img_size, self.augment = spec.img_size, spec.augment
+        self.hyp = spec.hyp if spec.hyp is not None else Hyp()
+        self.rect, self.stride, self.pad, self.seed = spec.rect, spec.stride, spec.pad, spec.seed
         where = self.source.where
         with watchdog.phase("scan", f"{prefix}{where}"):  # the scan beats per file
-            scan = self.source.scan(nc, cache_dir)
+            scan = self.source.scan(spec.nc, cache_dir)
         result, self.cache_hit = scan.result, bool(scan.known)
         c, split = result.counts, prefix.strip(" :") or "split"
         if verbose:
@@ -85,11 +104,11 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
             LOGGER.info(format_summary(c, split))
         require_usable(result, where)
         check_label_presence(result, where, role, prefix, verbose)
-        # a shard index's paths and labels stay columns over its mapped arrays; a scan's become the same shapes
-        self.im_files = result.img_files if isinstance(result.img_files, SourceColumn) else list(result.img_files)
+        # a column of paths (a scan's list, a shard index's over its mapped arrays), reordered by take
+        self.im_files = result.img_files
         # float64 as written (evaluation and ground_truth.json); augmentation takes float32 copies
         self.labels = LabelTable.of(result.labels)
-        if single_cls:
+        if spec.single_cls:
             self.labels = self.labels.with_class(0)
         self.image_hw = np.asarray(result.image_hw, dtype=np.int32).reshape(-1, 2)
         self.rows = np.arange(len(self.im_files))  # each sample's row in the shard index (rect reorders them)
@@ -98,18 +117,16 @@ class LoadImagesAndLabels(torch.utils.data.Dataset):
         self.batch_shapes: np.ndarray | None = None
         self.imgcache = None  # yolotrain.utils.data.imgcache.ImageCache when --cache ram|disk (attach_image_cache)
         self.memory = memory or BatchMemory()  # where batches are written
-        self.render_on_device = render_on_device and augment  # the training device draws the pixels
+        self.render_on_device = render_on_device and spec.augment  # the training device draws the pixels
         self._scratch, self._loaded_hw = Scratch(), None
-        if rect:
+        if spec.rect:
             self._set_rect_shapes(batch_size)
 
     def _set_rect_shapes(self, batch_size: int) -> None:
         """Sort by aspect ratio and give each batch the smallest stride-multiple shape that fits it."""
         ar = self.image_hw[:, 0] / self.image_hw[:, 1]  # h / w
         order = ar.argsort(kind="stable")
-        files = self.im_files
-        self.im_files = files.take(order) if isinstance(files, SourceColumn) else [files[i] for i in order]
-        self.labels = self.labels.take(order)
+        self.im_files, self.labels = self.im_files.take(order), self.labels.take(order)
         self.image_hw, self.rows, ar = self.image_hw[order], self.rows[order], ar[order]
         nb = math.ceil(len(ar) / batch_size)
         rel_hw = np.ones((nb, 2))  # each batch's (h, w) relative to img_size

@@ -11,8 +11,9 @@ Layout (no pickle anywhere):
 - ``<name>.imgcache.index.npz``: ``index`` (N x 5 int64: offset, h, w, h0, w0; offset -1 = not
   cached, read from disk instead), JSON ``meta`` and JSON ``files`` (paths, read only for those).
   Written last, atomically, so a data file without its index is an interrupted build (rebuilt).
-``<name>`` carries a hash of (image paths in order, their sizes and mtimes, img_size, resize mode),
-so every rank of a node derives the same name and a changed image means a new file.
+``<name>`` carries a hash of the images as their ``CacheSource`` names them (image files: their paths in order,
+sizes and mtimes; a shard index: its id and the split's order), img_size and resize mode, so every rank of a node
+derives the same name and a changed image means a new file.
 
 An ``ImageCache`` pickles as its paths only; each process maps the file on first access.
 """
@@ -27,9 +28,8 @@ import tempfile
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 from PIL import Image
@@ -41,7 +41,6 @@ from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.fileio import atomic_write
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.data.augment import resize_long_side, resized_hw_all
-from yolotrain.utils.data.images import read_image_bgr
 from yolotrain.utils.data.labelcache import cache_paths, files_hash
 from yolotrain.utils.data.labels import img2label_paths
 
@@ -56,15 +55,17 @@ ResizeFn = Callable[[np.ndarray, int, bool], np.ndarray]
 ReadFn = Callable[[int], np.ndarray]  # image i decoded (BGR); a UserError when it cannot be
 
 
-@dataclass(frozen=True)
-class CacheSource:
-    """Images that are not files (a shard index's): ``read(i)`` decodes image i (a UserError if it cannot), ``key``
-    names the set and its order (the cache's hash), ``folder`` holds a disk cache, ``split`` names it."""
+class CacheSource(Protocol):
+    """What --cache keys, reads and places a split's images by (its source's ``cache_source``, utils/data/split.py):
+    ``read(i)`` decodes image i of the dataset's order (a UserError if it cannot); ``hash(img_size, augment)``
+    names the images, their order and the resize (the cache file's name); ``place(mode)``: the folder the cache
+    file goes in and the split name it carries."""
 
-    read: ReadFn
-    key: str
-    folder: Path
-    split: str
+    def read(self, i: int) -> np.ndarray: ...
+
+    def hash(self, img_size: int, augment: bool) -> str: ...
+
+    def place(self, mode: str) -> tuple[Path, str]: ...
 
 
 def header_hw(im_files: Sequence[str]) -> np.ndarray:
@@ -140,6 +141,11 @@ def _writable(folder: Path) -> bool:
         return False
 
 
+def ram_folder() -> Path:
+    """Where ram caches go: /dev/shm (RAM-backed) when present, else the temp folder."""
+    return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+
+
 def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, path: Any = None) -> tuple[Path, str]:
     """Folder and split name for the cache file.
 
@@ -149,7 +155,7 @@ def cache_folder(im_files: Sequence[str], mode: str, cache_dir: Path | None, pat
     """
     split = Path(im_files[0]).parent.name or "images"
     if mode == "ram":
-        return (SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())), split
+        return ram_folder(), split
     if cache_dir is not None:
         return Path(cache_dir), split
     label_files = img2label_paths(list(im_files[:1]))
@@ -325,28 +331,20 @@ def _remove_stale(folder: Path, keep: Path, family: str, mode: str) -> None:
                 pass
 
 
-def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str,
-                  cache_dir: Path | None = None, local_rank: int = 0, num_threads: int | None = None, *,
-                  image_hw: np.ndarray | None = None, path: Any = None, resize: ResizeFn | None = None,
-                  prefix: str = "", workers_shm: int = 0, source: CacheSource | None = None) -> ImageCache:
+def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: str, source: CacheSource,
+                  local_rank: int = 0, num_threads: int | None = None, *, image_hw: np.ndarray | None = None,
+                  resize: ResizeFn | None = None, prefix: str = "", workers_shm: int = 0) -> ImageCache:
     """The node's cache for these images: reuse a complete one, else local rank 0 builds it.
 
-    ``image_hw`` (N, 2 of h, w; the label scan's) avoids re-reading headers for the size estimate. ``path`` is
-    the dataset source (as given to the label scan) so --cache disk lands next to the label cache.
-    ``workers_shm``: bytes the node's loader workers keep in /dev/shm (``loader_shm_bytes``). ``source``: images
-    that are not files (a shard index's). Every rank calls it, with the same ``im_files`` in the same order."""
+    ``source`` keys, reads and places them (``CacheSource``). ``image_hw`` (N, 2 of h, w; the label scan's) avoids
+    re-reading headers for the size estimate. ``workers_shm``: bytes the node's loader workers keep in /dev/shm
+    (``loader_shm_bytes``). Every rank calls it, with the same ``im_files`` in the same order."""
     if mode not in MODES:
         raise UserError(f"--cache {mode}: expected one of {', '.join(MODES)} (or leave it off)")
     if not len(im_files):
         raise UserError("--cache: no images to cache")
     resize = resize or resize_long_side
-    if source is None:
-        hash_, read = images_hash(im_files, img_size, augment), lambda i: read_image_bgr(im_files[i])
-        folder, split = cache_folder(im_files, mode, cache_dir, path)
-    else:
-        hash_ = hashlib.sha256(f"{source.key} {img_size} augment={bool(augment)}".encode()).hexdigest()
-        read, split = source.read, source.split
-        folder = cache_folder(im_files, mode, None)[0] if mode == "ram" else source.folder
+    hash_, (folder, split) = source.hash(img_size, augment), source.place(mode)
     family = _family(im_files, split, img_size, augment)
     file, index_file = _paths(folder, family, split, hash_, mode)
     cache = ImageCache(file, index_file, mode)
@@ -363,7 +361,7 @@ def build_or_open(im_files: Sequence[str], img_size: int, augment: bool, mode: s
             _check_room(need, len(im_files), img_size, folder, mode, workers_shm)
             LOGGER.info(f"{prefix}Caching images ({_gb(need)}, {mode} {file}) ...")
             t0 = time.time()
-            _build(cache, read, len(im_files), img_size, augment, hash_, sizes, resize,
+            _build(cache, source.read, len(im_files), img_size, augment, hash_, sizes, resize,
                    num_threads or min(8, usable_cpus()))
             cache.built = True
             _remove_stale(folder, file, family, mode)

@@ -18,7 +18,7 @@ import numpy as np
 from yolotrain.utils.core import watchdog
 from yolotrain.utils.core.fileio import atomic_write
 from yolotrain.utils.core.logging import LOGGER
-from yolotrain.utils.data.labels import LabelTable, ScanResult, img2label_paths, scan_labels
+from yolotrain.utils.data.labels import FileColumn, LabelTable, ScanResult, img2label_paths, scan_labels
 
 # 2: per-row label checks, full decode, new count keys; 3: every message kept (no per-file cap);
 # 4: image sizes stored as image_hw, (h, w); 5: labels in float64
@@ -83,7 +83,7 @@ def load_cache(file: Path, hash_: str) -> ScanResult | None:
         table = LabelTable.packed(labels, offsets)
         if len(table) != len(meta["img_files"]) or len(image_hw) != len(table):
             raise ValueError("array lengths disagree")
-        return ScanResult(meta["img_files"], meta["label_files"], table, image_hw, meta["msgs"], meta["counts"])
+        return ScanResult(FileColumn(meta["img_files"]), meta["label_files"], table, image_hw, meta["msgs"], meta["counts"])
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         LOGGER.warning(f"WARNING: {file}: unreadable cache ({type(e).__name__}: {e}), rescanning")
         return None

@@ -141,10 +141,19 @@ class LabelTable(Sequence):
         return np.asarray(self.rows)[first + np.arange(int(counts.sum()))]
 
 
+class FileColumn(list):
+    """A scan's image paths: a list of str with a column's ``take(order)``, as a shard index's ``SourceColumn``
+    (utils/data/shards.py), so the dataset reorders either kind the same way."""
+
+    def take(self, order: Sequence[int]) -> FileColumn:
+        return FileColumn(self[i] for i in order)
+
+
 @dataclass
 class ScanResult:
     """Usable images with their labels (n, 5) and upright sizes (n, 2) int32 (h, w), plus what was
-    wrong and counts."""
+    wrong and counts. ``img_files``: a column of paths (``FileColumn``, a shard index's ``SourceColumn``: a
+    sequence of str with ``take(order)``)."""
 
     img_files: Sequence[str]
     label_files: Sequence[str]
@@ -294,7 +303,7 @@ def scan_labels(img_files: Sequence[str], label_files: Sequence[str], nc: int,
     counts.update(images=len(keep_img), backgrounds=sum(len(x) == 0 for x in labels),
                   instances=int(sum(len(x) for x in labels)))
     image_hw = np.array(sizes, dtype=np.int32).reshape(-1, 2)
-    return ScanResult(keep_img, keep_lb, LabelTable.of(labels), image_hw, msgs, counts)
+    return ScanResult(FileColumn(keep_img), keep_lb, LabelTable.of(labels), image_hw, msgs, counts)
 
 
 SUMMARY_COLUMNS = (("images", "images"), ("backgrounds", "backgrounds"), ("instances", "boxes"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,12 +19,11 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from yolotrain.utils.core.cpu import release_inherited_heap, tune_malloc, usable_cpus
-from yolotrain.utils.core.dist import DistInfo, torch_distributed_zero_first
+from yolotrain.utils.core.dist import BatchSplit, DistInfo, batch_split, torch_distributed_zero_first
 from yolotrain.utils.core.errors import UserError
-from yolotrain.utils.core.hyp import Hyp
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.data.batch import Batch, BatchMemory, collate_fn  # noqa: F401 - Batch: the loaders' item type
-from yolotrain.utils.data.dataset import LoadImagesAndLabels, SampleKey
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels, SampleKey
 from yolotrain.utils.data.imgcache import build_or_open, loader_shm_bytes
 
 
@@ -34,8 +33,8 @@ MOSAIC_POOL = 16  # images per mosaic pool: a divisor of the usual per-rank batc
 
 
 class TrainSampler(Sampler):
-    """Per-epoch seeded permutation, padded (or cut) to a multiple of world size; each global batch is cut
-    into one contiguous block per rank.
+    """Per-epoch seeded permutation, padded (or cut) to a multiple of world size; each global batch (``batch``: a
+    ``BatchSplit``) is cut into one contiguous block per rank, its per-rank share.
 
     Yields ``SampleKey(epoch, index, mosaic, pool)`` so the dataset seeds augmentation from the sample, not
     the worker, and follows close_mosaic (``mosaic_off_from_epoch``, read here in the main process). ``pool``
@@ -48,12 +47,16 @@ class TrainSampler(Sampler):
     """
 
     def __init__(self, dataset_len: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, batch_size: int = 1, pool: int = MOSAIC_POOL) -> None:
+                 shuffle: bool = True, drop_last: bool = False, batch: BatchSplit | None = None,
+                 pool: int = MOSAIC_POOL) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
+        batch = batch or BatchSplit(world_size, world_size)  # one image per rank
+        if batch.world_size != world_size or batch.per_rank < 1:
+            raise ValueError(f"a batch of {batch.global_batch} over {batch.world_size} rank(s) for {world_size}")
         self.n, self.rank, self.world_size, self.seed = dataset_len, rank, world_size, seed
         self.shuffle, self.drop_last, self.epoch, self.skip = shuffle, drop_last, 0, 0
-        self.batch_size, self.pool = max(int(batch_size), 1), int(pool)
+        self.batch, self.pool = batch, int(pool)
         self.mosaic_off_from_epoch: int | None = None  # close_mosaic: no mosaic from this epoch on
         self.num_samples = dataset_len // world_size if drop_last else math.ceil(dataset_len / world_size)
         self.total_size = self.num_samples * world_size
@@ -82,13 +85,12 @@ class TrainSampler(Sampler):
         return torch.randperm(self.n, generator=g).numpy()
 
     def positions(self) -> np.ndarray:
-        """This rank's places in the padded order: its block of each global batch (the last one, shorter,
-        split evenly: its length is a multiple of the world size)."""
-        p = np.arange(self.total_size)
-        g = self.batch_size * self.world_size
-        first = p // g * g
-        per_rank = np.minimum(g, self.total_size - first) // self.world_size
-        return p[(p - first) // per_rank == self.rank]
+        """This rank's places in the padded order: its block of each global batch (the last one, shorter, split
+        evenly: each rank's share is what is left of its ``num_samples``)."""
+        k, share = np.arange(self.num_samples), self.batch.per_rank
+        batch, within = k // share, k % share
+        size = np.minimum(share, self.num_samples - batch * share)  # this rank's block of that batch
+        return batch * self.batch.global_batch + self.rank * size + within
 
     def __iter__(self) -> Iterator[SampleKey]:
         """The epoch's order is array work; each key is made as the loader asks for it (a split of millions
@@ -192,8 +194,9 @@ def _dataset_once(info: DistInfo, cache_dir: Path | None,
 
 @dataclass(frozen=True)
 class LoaderSpec:
-    """Everything a loader is built from, in one typed value (``build_loader``). ``source``: a split's path or a
-    ``SplitSource`` (utils/data/split.py); ``batch_size`` is per rank (the global batch over ``info.world_size``).
+    """Everything a loader is built from, in one typed value (``build_loader``): ``data``, what is loaded (the split,
+    its size, classes and augmentation: ``DatasetSpec``); ``batch``, the global batch and its share on each of
+    ``info``'s ranks (``dist.batch_split``); the rest, how it is loaded and where its problems are written.
 
     ``training`` marks a training loader (TrainSampler, equal batch count on every rank, a split without any label
     is an error); otherwise evaluation (InferenceSampler; no labels is a warning). ``report_dir``: the run folder,
@@ -207,18 +210,9 @@ class LoaderSpec:
     beside the letterboxing): each batch arrives in parts of ``worker_share`` images, so every worker loads at
     once."""
 
-    source: Any
-    img_size: int
-    batch_size: int
-    stride: int
-    nc: int = 80
+    data: DatasetSpec
+    batch: BatchSplit
     training: bool = False
-    augment: bool = False
-    hyp: Hyp | None = None
-    rect: bool = False
-    pad: float = 0.0
-    single_cls: bool = False
-    seed: int = 0
     info: DistInfo = DistInfo()
     workers: int = 8
     cache: str | None = None
@@ -234,7 +228,9 @@ class LoaderSpec:
 def build_loader(spec: LoaderSpec) -> DataLoader:
     """The DataLoader for this process's place in the job (``spec.info``): the dataset (its source scanned once
     per job, ``_dataset_once``), its image cache, the sampler, the workers."""
-    info, rect, shuffle = spec.info, spec.rect, spec.training
+    info, data, rect, shuffle = spec.info, spec.data, spec.data.rect, spec.training
+    if spec.batch.world_size != info.world_size:
+        raise ValueError(f"a batch split over {spec.batch.world_size} rank(s) for a job of {info.world_size}")
     if rect and shuffle:
         LOGGER.warning("WARNING: --rect is incompatible with shuffling, setting shuffle=False")
         shuffle = False
@@ -246,22 +242,20 @@ def build_loader(spec: LoaderSpec) -> DataLoader:
     pin = pins_by_default() if spec.pin_memory is None else spec.pin_memory
     memory = BatchMemory(reuse=spec.reuse_memory or pin, slots=SLOTS, pin_in_place=spec.reuse_memory)
     dataset = _dataset_once(info, spec.cache_dir, lambda: LoadImagesAndLabels(
-        spec.source, spec.img_size, spec.batch_size * info.world_size if rect else spec.batch_size,
-        augment=spec.augment, hyp=spec.hyp, rect=rect, stride=spec.stride, pad=spec.pad, single_cls=spec.single_cls,
-        nc=spec.nc, seed=spec.seed, cache_dir=spec.cache_dir, prefix=spec.prefix, verbose=info.rank == 0,
+        data, spec.batch.global_batch, cache_dir=spec.cache_dir, prefix=spec.prefix, verbose=info.rank == 0,
         role="train" if spec.training else "val", report_dir=spec.report_dir, memory=memory,
         render_on_device=spec.render_on_device))
-    batch_size = min(spec.batch_size, len(dataset))
+    batch_size = min(spec.batch.per_rank, len(dataset))
     nw = min(usable_cpus() // max(ranks_here, 1), batch_size if batch_size > 1 else 0, spec.workers)
     if spec.cache:  # after the block above: build_or_open runs its own zero-first, in final im_files order
         dataset.attach_image_cache(build_or_open(
-            dataset.im_files, spec.img_size, spec.augment, spec.cache, local_rank=info.local_rank,
-            image_hw=dataset.image_hw, path=getattr(dataset.source, "path", None), prefix=spec.prefix,
-            workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, spec.img_size, SLOTS),
-            source=dataset.source.cache_source(dataset.rows, spec.cache_dir, dataset.read_original)))
+            dataset.im_files, data.img_size, data.augment, spec.cache,
+            dataset.source.cache_source(dataset.rows, spec.cache_dir, dataset.read_original),
+            local_rank=info.local_rank, image_hw=dataset.image_hw, prefix=spec.prefix,
+            workers_shm=loader_shm_bytes(ranks_here, nw, batch_size, data.img_size, SLOTS)))
     if spec.training:
-        sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, spec.seed, shuffle=shuffle,
-                                        drop_last=rect and info.world_size > 1, batch_size=batch_size)
+        sampler: Sampler = TrainSampler(len(dataset), info.rank, info.world_size, data.seed, shuffle=shuffle,
+                                        drop_last=rect and info.world_size > 1, batch=spec.batch)
     else:
         sampler = InferenceSampler(len(dataset), batch_size, info.rank, info.world_size)
         if spec.split_batches if spec.split_batches is not None else pin:
@@ -273,7 +267,14 @@ def build_loader(spec: LoaderSpec) -> DataLoader:
                       prefetch_factor=PREFETCH if nw > 0 else None)
 
 
+DATASET_FIELDS = {f.name for f in fields(DatasetSpec)} - {"source", "img_size", "stride"}  # the keyword options
+
+
 def create_dataloader(source: Any, imgsz: int, batch_size: int, stride: int, *, shuffle: bool = False,
                       **options: Any) -> DataLoader:
-    """``build_loader`` in keyword form: ``LoaderSpec``'s fields, ``shuffle`` for ``training``."""
-    return build_loader(LoaderSpec(source, imgsz, batch_size, stride, training=shuffle, **options))
+    """``build_loader`` in keyword form: ``batch_size`` is the global batch (over ``info``'s ranks), the options
+    ``DatasetSpec``'s fields and ``LoaderSpec``'s, ``shuffle`` for ``training``."""
+    what = {k: options.pop(k) for k in DATASET_FIELDS & options.keys()}
+    data = DatasetSpec(source, img_size=imgsz, stride=stride, **what)
+    info = options.get("info", DistInfo())
+    return build_loader(LoaderSpec(data, batch_split(batch_size, info), training=shuffle, **options))

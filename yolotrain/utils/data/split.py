@@ -8,7 +8,8 @@ The dataset reads a split only through a ``SplitSource``:
 - ``scan(nc, cache_dir)``: every usable image with its labels (one packed ``LabelTable``) and upright size, and
   what was wrong; from a label cache, a fresh scan or an index, and which (``Scan.known``, for the log);
 - ``read(row)``: image ``row`` of the scan, decoded BGR as the scan decoded it (EXIF, alpha, 16-bit, truncation);
-- ``cache_source(rows, cache_dir, read)``: what --cache keys and reads the images by, when they are not files.
+- ``cache_source(rows, cache_dir, read)``: what --cache keys, reads and places the images by (``CacheSource``: image
+  files by path, size and mtime, ``FileCacheSource``; other images by a key, ``KeyedCacheSource``).
 
 Image folders, ``.txt`` lists and image files are ``ImageFiles``; a shard index (a local folder or a URL) is
 ``ShardSplit``. A new format is one class with these methods and a line in ``open_split``; a source of your own
@@ -19,13 +20,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from yolotrain.utils.data import remote
 from yolotrain.utils.data.images import IMG_SUFFIXES, decode_image_bgr, read_image_bgr
-from yolotrain.utils.data.imgcache import CacheSource
+from yolotrain.utils.data.imgcache import CacheSource, cache_folder, images_hash, ram_folder
 from yolotrain.utils.data.labelcache import load_or_scan
 from yolotrain.utils.data.labels import ScanResult, describe_source, img2label_paths, resolve_image_files
 from yolotrain.utils.data.shards import ShardIndex, index_meta, is_shard_index, node_folder
@@ -63,7 +64,7 @@ class SplitSource(Protocol):
     def read(self, row: int) -> np.ndarray: ...
 
     def cache_source(self, rows: np.ndarray, cache_dir: Path | None,
-                     read: Callable[[int], np.ndarray]) -> CacheSource | None: ...
+                     read: Callable[[int], np.ndarray]) -> CacheSource: ...
 
 
 def open_split(path: Any) -> SplitSource:
@@ -105,8 +106,9 @@ class ImageFiles:
         return read_image_bgr(self.files[row])
 
     def cache_source(self, rows: np.ndarray, cache_dir: Path | None,
-                     read: Callable[[int], np.ndarray]) -> CacheSource | None:
-        return None  # files: the image cache keys them by path, size and mtime
+                     read: Callable[[int], np.ndarray]) -> CacheSource:
+        """The images by path, size and mtime, in the split's order (``rows``); a disk cache beside the label cache."""
+        return FileCacheSource([self.files[r] for r in rows], path=self.path)
 
 
 class ShardSplit:
@@ -133,11 +135,48 @@ class ShardSplit:
         return decode_image_bgr(self.index.read(row), self.index.member(row))
 
     def cache_source(self, rows: np.ndarray, cache_dir: Path | None,
-                     read: Callable[[int], np.ndarray]) -> CacheSource | None:
+                     read: Callable[[int], np.ndarray]) -> CacheSource:
         """The images by their byte ranges, known by the index's id and the split's order (``rows``)."""
         key = hashlib.sha256(f"{self.index.meta.get('id') or self.index.root}\n".encode() + rows.tobytes()).hexdigest()
-        return CacheSource(read=read, key=key, folder=node_folder(cache_dir) / "yolotrain-images",
-                           split=Path(self.index.root).stem)
+        return KeyedCacheSource(read=read, key=key, folder=node_folder(cache_dir) / "yolotrain-images",
+                                split=Path(self.index.root).stem)
+
+
+@dataclass(frozen=True)
+class FileCacheSource:
+    """Image files for --cache: keyed by their paths in order, sizes and mtimes (``imgcache.images_hash``); a disk
+    cache goes in ``cache_dir`` when given, else beside the label cache of ``path`` (the split as scanned), else
+    beside the first image's label folder (``imgcache.cache_folder``)."""
+
+    files: Sequence[str]
+    path: Any = None
+    cache_dir: Path | None = None
+
+    def read(self, i: int) -> np.ndarray:
+        return read_image_bgr(self.files[i])
+
+    def hash(self, img_size: int, augment: bool) -> str:
+        return images_hash(self.files, img_size, augment)
+
+    def place(self, mode: str) -> tuple[Path, str]:
+        return cache_folder(self.files, mode, self.cache_dir, self.path)
+
+
+@dataclass(frozen=True)
+class KeyedCacheSource:
+    """Images that are not files (a shard index's) for --cache: ``read(i)`` decodes image i (a UserError if it
+    cannot), ``key`` names the set and its order, ``folder`` holds a disk cache, ``split`` names it."""
+
+    read: Callable[[int], np.ndarray]
+    key: str
+    folder: Path
+    split: str
+
+    def hash(self, img_size: int, augment: bool) -> str:
+        return hashlib.sha256(f"{self.key} {img_size} augment={bool(augment)}".encode()).hexdigest()
+
+    def place(self, mode: str) -> tuple[Path, str]:
+        return (ram_folder() if mode == "ram" else self.folder), self.split
 
 
 def _has_images(path: Path) -> bool:

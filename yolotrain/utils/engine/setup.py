@@ -22,6 +22,7 @@ from yolotrain.utils.core.dist import DistInfo
 from yolotrain.utils.core.hyp import Hyp, load_hyp
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.data.config import DataConfig, load_data_config, prepare_dataset
+from yolotrain.utils.data.dataset import DatasetSpec
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
 from yolotrain.utils.engine.autoanchor import anchors_per_level, fit_anchors
 from yolotrain.utils.engine.budget import TimeBudget
@@ -214,17 +215,17 @@ def freeze_layers(model: nn.Module, freeze: list[int]) -> None:
 def build_loaders(opt: RunConfig, info: DistInfo, data: DataConfig, hyp: Hyp, imgsz: int, grid: int,
                   batch: dist.BatchSplit, save_dir: Path, device: torch.device):
     """Train loader (augmented, reshuffled each epoch from the seed) and val loader (rect, sharded), each from its
-    split's source (utils/data/split.py, decided when the data yaml was read)."""
-    common = dict(stride=grid, nc=len(data.names), single_cls=opt.single_cls, info=info, workers=opt.workers,
-                  seed=opt.seed, cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
-                  pin_memory=device.type == "cuda",  # a CPU run on a GPU host opens no CUDA context
-                  reuse_memory=True)  # the loop and evaluation let go of each batch before the next but one
-    train_loader = build_loader(LoaderSpec(data.sources["train"], imgsz, batch.per_rank, hyp=hyp, augment=True, rect=opt.rect,
-                                           training=True, prefix="train: ",
-                                           render_on_device=opt.augment_on == "device", **common))
-    val_batch = dist.batch_split(opt.val_batch_size, info, "--val-batch-size").per_rank
-    val_loader = build_loader(LoaderSpec(data.sources["val"], imgsz, val_batch, rect=True, pad=0.5, prefix="val: ",
-                                         **common))
+    split's source (utils/data/split.py, decided when the data yaml was read); ``batch``: the training batch's split."""
+    what = dict(img_size=imgsz, stride=grid, nc=len(data.names), single_cls=opt.single_cls, seed=opt.seed)
+    how = dict(info=info, workers=opt.workers, cache=opt.cache, cache_dir=opt.cache_dir, report_dir=save_dir,
+               pin_memory=device.type == "cuda",  # a CPU run on a GPU host opens no CUDA context
+               reuse_memory=True)  # the loop and evaluation let go of each batch before the next but one
+    train = DatasetSpec(data.sources["train"], hyp=hyp, augment=True, rect=opt.rect, **what)
+    train_loader = build_loader(LoaderSpec(train, batch, training=True, prefix="train: ",
+                                           render_on_device=opt.augment_on == "device", **how))
+    val = DatasetSpec(data.sources["val"], rect=True, pad=0.5, **what)
+    val_batch = dist.batch_split(opt.val_batch_size, info, "--val-batch-size")
+    val_loader = build_loader(LoaderSpec(val, val_batch, prefix="val: ", **how))
     if hyp.close_mosaic > 0 and not opt.time:  # --time moves it once the epochs that fit are known
         train_loader.sampler.close_mosaic_from(mosaic_off_from(hyp.close_mosaic, opt.epochs))
     return train_loader, val_loader

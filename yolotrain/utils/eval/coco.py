@@ -32,7 +32,7 @@ from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.fileio import atomic_write
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.data.config import DataConfig, load_data_config, load_image_ids, prepare_dataset
-from yolotrain.utils.data.dataset import LoadImagesAndLabels
+from yolotrain.utils.data.dataset import DatasetSpec, LoadImagesAndLabels
 
 
 GT_DECIMALS = 10  # ground truth's pixel rounding: 1e-10 px, far below 1e-6 of any real box, and no float noise
@@ -163,7 +163,7 @@ def export_split(data_file: str | Path, task: str, out: str | Path, single_cls: 
         raise UserError(f"{data.file}: no '{task}' split")
     prepare_dataset(data)
     names = ["item"] if single_cls else data.names
-    ds = LoadImagesAndLabels(split, nc=len(data.names), single_cls=single_cls, rect=False,
+    ds = LoadImagesAndLabels(DatasetSpec(split, nc=len(data.names), single_cls=single_cls, rect=False),
                              cache_dir=Path(cache_dir) if cache_dir else None, prefix=f"{task}: ")
     gt = dataset_ground_truth(ds, names, SourceIds.from_data(data, names))
     write_json(gt, out)
