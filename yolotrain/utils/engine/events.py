@@ -47,12 +47,12 @@ class TrainEvent:
     @property
     def model(self) -> torch.nn.Module:
         """The training model (the plain one: DDP and --compile wrap it inside the step)."""
-        return self.training.model
+        return self.training.step.model
 
     @property
     def ema(self) -> torch.nn.Module:
         """The EMA model that validation scores and checkpoints hold."""
-        return self.training.ema.ema
+        return self.training.step.ema.ema
 
     @property
     def config(self) -> dict[str, Any]:
