@@ -20,12 +20,12 @@ from yolotrain.utils.core.cli import ResolvedArgs
 from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.fileio import shipped
-from yolotrain.utils.core.hyp import load_hyp
+from yolotrain.utils.core.hyp import Hyp, load_hyp
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.core.runs import increment_path, latest_checkpoint
-from yolotrain.utils.data.config import DEMO_DATA, count_images, load_data_config
+from yolotrain.utils.data.config import DEMO_DATA, DataConfig, count_images, load_data_config
 from yolotrain.utils.engine.autobatch import AUTO_BATCH, auto_batch_size
-from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH
+from yolotrain.utils.engine.optim import NOMINAL_BATCH, SHORT_RUN_BATCH, OptimizerChoice
 from yolotrain.utils.engine.recipe import Recipe, recipe_for
 from yolotrain.utils.engine.state import SavedRun
 from yolotrain.utils.engine.plan import problems as step_problems
@@ -198,13 +198,20 @@ def resolve_config(resume: Resume, device: torch.device, info: DistInfo = DistIn
 
 def _nominal_batch(cfg: RunConfig, saved: SavedRun | None, model: ModelSource | None, world_size: int) -> int:
     """The images per optimizer step the run's optimizer gathers to, before any data is scanned: a resumed run's
-    own; a fresh run's by its family's rule, on the train split's listed images."""
+    own; a fresh run's by its family's rule (``choose_optimizer``, as the run itself resolves it)."""
     if saved:
         return saved.optimizer_choice.nominal_batch if saved.optimizer_choice else NOMINAL_BATCH
     data = load_data_config(cfg.data)
-    return model.recipe.optimizer(cfg.optimizer, load_hyp(cfg.hyp), 1 if cfg.single_cls else data.nc,
-                                  count_images(data), BatchSplit(cfg.batch_size, world_size), cfg.epochs,
-                                  step_images=micro_step_images(cfg.micro_steps)).nominal_batch
+    return choose_optimizer(cfg, model.recipe, load_hyp(cfg.hyp), 1 if cfg.single_cls else data.nc, data,
+                            BatchSplit(cfg.batch_size, world_size)).nominal_batch
+
+
+def choose_optimizer(cfg: RunConfig, recipe: Recipe, hyp: Hyp, nc: int, data: DataConfig,
+                     batch: BatchSplit) -> OptimizerChoice:
+    """A fresh run's --optimizer, by its family's rule on the train split's listed images (``count_images``, no
+    label read): one count, so the start's refusals and the run judge the same choice, which checkpoints record."""
+    return recipe.optimizer(cfg.optimizer, hyp, nc, count_images(data), batch, cfg.epochs,
+                            step_images=micro_step_images(cfg.micro_steps))
 
 
 def augment_default(flag: str, device: torch.device) -> str:

@@ -26,7 +26,7 @@ from yolotrain.utils.data.dataset import DatasetSpec
 from yolotrain.utils.data.loader import LoaderSpec, build_loader
 from yolotrain.utils.engine.autoanchor import anchors_per_level, fit_anchors
 from yolotrain.utils.engine.budget import TimeBudget
-from yolotrain.utils.engine.config import ModelSource, RunConfig, micro_step_images, resolve_model
+from yolotrain.utils.engine.config import ModelSource, RunConfig, choose_optimizer, resolve_model
 from yolotrain.utils.engine.optim import NOMINAL_BATCH, EarlyStopping, LRSchedule, ModelEMA, OptimizerChoice, Warmup, \
     smart_optimizer, warmup_iters
 from yolotrain.utils.engine.recipe import RECIPES
@@ -116,9 +116,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     train_loader, val_loader = build_loaders(cfg, info, data, hyp, imgsz, model.grid, batch, save_dir, device)
     if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
-    choice = (saved and saved.optimizer_choice) or recipe.optimizer(
-        cfg.optimizer, hyp, len(names), len(train_loader.dataset), batch, cfg.epochs,
-        step_images=micro_step_images(cfg.micro_steps))
+    choice = (saved and saved.optimizer_choice) or choose_optimizer(cfg, recipe, hyp, len(names), data, batch)
     plan = StepPlan.of(batch, choice.nominal_batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     step = build_step(build_parts(cfg, hyp, model, choice, plan, imgsz, device), plan, info, device,
                       StepOptions(amp=bool(cfg.amp), graphs=cfg.cuda_graphs, sync_bn=cfg.sync_bn, compile=cfg.compile),
