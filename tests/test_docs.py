@@ -30,6 +30,9 @@ CHANGELOG_PHRASES = {
     "we changed": r"\bwe\s+changed\b",
     "a checkpoint that records no": r"\bcheckpoints?\s+that\s+records?\s+no\b",
     "exported without the": r"\bexported\s+without\s+the\b",
+    "in this code": r"\bin\s+this\s+code\b",
+    "an earlier version": r"\ban\s+earlier\s+(?:version|loader|code)\b",
+    "in the shipped code": r"\bin\s+the\s+shipped\s+code\b",
 }
 # A git commit hash: 7-40 hex characters with a digit and a letter, or all digits right after "at",
 # "commit" or "@". benchmarks.md's table rows may name the commit a figure was measured at; prose may not.
@@ -221,10 +224,13 @@ def test_changelog_rules():
                 "one dataset, so the rule stays until more data says otherwise", "This is not yet\nmeasured.",
                 "a checkpoint that records no\nprecision resumes in fp32",
                 "Files exported without the end-to-end key read as not end-to-end.", "yolotrain used to pad",
-                "We changed the default.", "It no longer waits."):
+                "We changed the default.", "It no longer waits.", "(in this code `--optimizer auto` took 4 steps)",
+                "An earlier version of micro-steps ramped", "an earlier\nloader (four JPEG decodes)",
+                "In the shipped code an outgrown slot grows"):
         assert changelog_hits(bad), bad
     for good in ("the tensor is used to index", "the images used to train it", "`yet` and `the earlier` in code", "```\nno longer\n```\n",
-                 "the previous trials' fitness", "three earlier runs", "a file exported without `--dynamic`"):
+                 "the previous trials' fitness", "three earlier runs", "a file exported without `--dynamic`",
+                 "the shipped code's default", "code that copies each batch", "an earlier epoch"):
         assert not changelog_hits(good), good
 
 
@@ -299,11 +305,99 @@ def test_memory_format_rule(monkeypatch):
     assert not memory_format_problems("NHWC on CPU, and on CUDA with `--half`; NCHW for fp32 on CUDA", expected)
 
 
-def test_the_readme_test_command_is_the_one_ci_runs():
-    """README's second command and .ci/run run the same pytest line, so the README's time and coverage are CI's."""
-    import re
+def ci_commands(script: str) -> list[str]:
+    """The commands .ci/run runs, in order: the venv, the install (``if ! CMD >log``), each pytest line."""
+    commands = []
+    for line in script.splitlines():
+        line = line.strip()
+        install = re.match(r"^if ! (.+?pip install .+?) >\S+ 2>&1; then$", line)
+        if install:
+            commands.append(install[1])
+        elif line.startswith(("python3 -m venv", ".venv/bin/python -m pytest")):
+            commands.append(line)
+    return commands
 
-    readme = re.search(r"^python3 -m venv \.venv && .+? && (\.venv/bin/python -m pytest [^\n]+)$", README.read_text(),
-                       re.M)
-    assert readme, "README.md: no set-up-and-test command"
-    assert readme[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    """README's second command is .ci/run's commands joined by &&: the venv, the install with every extra, the
+    suite and the bench step, whole, so the README's time, counts and coverage are CI's."""
+    readme = re.findall(r"^python3 -m venv \.venv && .+pytest.+$", README.read_text(encoding="utf-8"), re.M)
+    assert len(readme) == 1, "README.md: not exactly one set-up-and-test command"
+    ci = ci_commands((ROOT / ".ci" / "run").read_text())
+    assert [c for c in ci if "pip install" in c] and [c for c in ci if "bench/tests" in c], ".ci/run: no install or bench step"
+    assert readme[0] == " && ".join(ci), f"README.md's test command is not .ci/run's:\n{readme[0]}\n{' && '.join(ci)}"
+
+
+def test_ci_command_reading():
+    script = ("set -e\npython3 -m venv .venv\nif ! .venv/bin/pip install -q -r a.txt -r b.txt >/tmp/l 2>&1; then\n"
+              "  exit 1\nfi\n.venv/bin/python -c 'print(1)'\n.venv/bin/python -m pytest tests -q\n")
+    assert ci_commands(script) == ["python3 -m venv .venv", ".venv/bin/pip install -q -r a.txt -r b.txt",
+                                   ".venv/bin/python -m pytest tests -q"]
+
+
+# A figure the README states: a ratio (2.38x, 1.2-1.4x), an mAP (0.733), a time (2 min 2 s, 40 s), a rate
+# (957.6 img/s), a size (1.5 GB), a share (94.4 %) or a test count (973 and 63 tests passed). Counts of images,
+# epochs and pixels are settings, not figures, and are not matched.
+README_FIGURE = re.compile(
+    r"(?<![\w.])(?:\d+\.\d+(?:-\d+\.\d+)?x(?!\w)|\d+ min(?: \d+ s)?(?!\w)|\d+(?:\.\d+)? s(?!\w)|0\.\d{3,}(?![\d])"
+    r"|\d[\d,]*(?:\.\d+)? img/s|\d+(?:\.\d+)? (?:GB|MB|GiB|MiB)(?!\w)|\d+(?:\.\d+)? %"
+    r"|\d[\d,]*(?: and \d[\d,]*)? tests passed)")
+HEADLINE = "## Headline figures"
+HEADLINE_COLUMNS = ["value", "what it compares", "ours: machine, precision", "the other side: machine, precision",
+                    "date", "code", "command", "noise", "section"]
+
+
+def readme_figures(text: str) -> list[str]:
+    """Every figure in the text's prose (code blocks and inline code left out), in order."""
+    return README_FIGURE.findall(prose_lines(text))
+
+
+def headline_rows(text: str) -> list[list[str]]:
+    """The cells of each row of benchmarks.md's headline table (the first table under HEADLINE); a cell may hold
+    an escaped pipe (``\\|``)."""
+    section = text[text.index("\n" + HEADLINE):]
+    lines = [line.strip() for line in section.splitlines()[1:]]
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))])
+    assert [c.lower() for c in rows[0]] == HEADLINE_COLUMNS, f"headline table's columns: {rows[0]}"
+    return [r for r in rows[2:]]
+
+
+def unbacked_figures(readme: str, rows: list[list[str]]) -> list[str]:
+    """The README figures that no headline row's value cell states (the same string, not inside a longer number)."""
+    def stated(figure: str, cell: str) -> bool:
+        return re.search(r"(?<![\w.])" + re.escape(figure) + r"(?![\w])", cell) is not None
+
+    return [f for f in dict.fromkeys(readme_figures(readme)) if not any(stated(f, r[0]) for r in rows)]
+
+
+def test_every_readme_figure_has_a_headline_row():
+    """Each figure README.md states is a row of benchmarks.md's headline table with the same value, and each row
+    says its machine on both sides, a date, its code, its command with placeholders, its noise and its section;
+    no row rests on a machine not recorded or a modified copy of the code."""
+    rows = headline_rows((DOCS / "benchmarks.md").read_text(encoding="utf-8"))
+    figures = readme_figures(README.read_text(encoding="utf-8"))
+    assert len(figures) >= 10, f"README.md: only {figures} read as figures"
+    missing = unbacked_figures(README.read_text(encoding="utf-8"), rows)
+    assert not missing, f"README.md figures with no row of that value in docs/benchmarks.md {HEADLINE!r}: {missing}"
+    for row in rows:
+        assert len(row) == len(HEADLINE_COLUMNS) and all(row), f"headline row with an empty or missing cell: {row}"
+        assert re.fullmatch(r"2\d{3}-\d\d-\d\d.*", row[4]), f"headline row without a date: {row[:2]}"
+        assert re.search(r"\b[0-9a-f]{7,40}\b", row[5]), f"headline row without a commit: {row[:2]}"
+        assert "`" in row[6] and "](" in row[8], f"headline row's command or link: {row[:2]}"
+        for cell in row[2:4]:
+            assert "not recorded" not in cell and "modified" not in cell, f"not a headline: {row[:2]}: {cell}"
+
+
+def test_readme_figure_reading():
+    text = ("at 2.38x and 1.2-1.4x; mAP50 **0.945**, in 2 min 2 s (1.5 GB, 94.4 %), 957.6 img/s, 973 and 63 tests "
+            "passed, 40 s.\n`3.14x` in code, 1,000 images at 256 px for 8 epochs, Python 3.11, 4x the lr\n")
+    assert readme_figures(text) == ["2.38x", "1.2-1.4x", "0.945", "2 min 2 s", "1.5 GB", "94.4 %", "957.6 img/s",
+                                    "973 and 63 tests passed", "40 s"]
+    rows = [["2.38x; 1.2-1.4x", ""], ["mAP50 0.945; 2 min 2 s; 1.5 GB; 94.4 %; 957.6 img/s; 973 and 63 tests passed", ""]]
+    assert unbacked_figures(text, rows) == ["40 s"]
+    assert unbacked_figures("2.3x", [["12.3x"]]) == ["2.3x"] and unbacked_figures("0.94x", [["0.945"]]) == ["0.94x"]
