@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -258,3 +259,26 @@ def test_a_message_names_a_tool_as_this_form_of_yolotrain_runs_it(monkeypatch):
     assert all((ROOT / c.split()[1]).is_file() for c in checkout.values() if c.endswith(".py"))
     monkeypatch.setattr(cli, "CHECKOUT", False)
     assert [cli.tool_command(t) for t in TOOLS] == [f"yolotrain {t}" for t in TOOLS]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nosave"], "last.pt and best.pt are always written"),
+    (["--label-smoothing", "0.1"], "label_smoothing: EPS in the --hyp file"),
+    (["--image-weights"], "class-weighted image sampling is not available"),
+    (["--quad"], "--multi-scale"),
+])
+def test_yolov5_flags_refused_with_what_to_type(argv, says, capsys):
+    """YOLOv5's train.py flags this trainer lacks stop the parse with one line naming the flag and the
+    alternative (exit 2); the Python API raises the same line; --help and the namespace do not show them."""
+    from yolotrain.app import train
+
+    with pytest.raises(SystemExit) as e:
+        train.build_parser().parse_args(["--epochs", "1", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"ERROR: {argv[0]} is not a flag here: ")
+    assert says in err
+    parser = train.build_parser()
+    parser.raise_errors = True
+    with pytest.raises(shared.UserError, match=re.escape(says)):
+        parser.parse_args(argv)
+    assert argv[0] not in parser.format_help() and not hasattr(parser.parse_args([]), argv[0][2:].replace("-", "_"))

@@ -43,7 +43,7 @@ def test_released_yolov5n_on_coco128_scores_as_recorded(tmp_path):
     pytest.importorskip("pycocotools")
     cmd = [sys.executable, str(ROOT / "val.py"), "--weights", str(WEIGHTS), "--data", str(DATA), "--imgsz", "640",
            "--batch-size", "32", "--conf-thres", "0.001", "--iou-thres", "0.6", "--max-det", "300", "--workers", "0",
-           "--noplots", "--device", "cpu", "--save-json", "--project", str(tmp_path), "--name", "val",
+           "--noplots", "--device", "cpu", "--save-json", "--project", str(tmp_path), "--name", "val", "--exist-ok",
            "--cache-dir", str(tmp_path / "cache")]
     out = subprocess.run(cmd, env=run_env(OMP_NUM_THREADS="2"), cwd=tmp_path, capture_output=True, text=True,
                          timeout=900)

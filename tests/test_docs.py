@@ -401,3 +401,24 @@ def test_readme_figure_reading():
     rows = [["2.38x; 1.2-1.4x", ""], ["mAP50 0.945; 2 min 2 s; 1.5 GB; 94.4 %; 957.6 img/s; 973 and 63 tests passed", ""]]
     assert unbacked_figures(text, rows) == ["40 s"]
     assert unbacked_figures("2.3x", [["12.3x"]]) == ["2.3x"] and unbacked_figures("0.94x", [["0.945"]]) == ["0.94x"]
+
+
+def coming_from_rows(page: str, heading: str) -> list[list[str]]:
+    """The rows of the table under ``heading`` (up to the next ## heading), header and rule left out."""
+    text = "\n" + (DOCS / page).read_text(encoding="utf-8")
+    start = text.index("\n" + heading + "\n")
+    end = text.find("\n## ", start + 1)
+    return table_rows(text[start:end if end > 0 else None])[2:]
+
+
+def test_coming_from_yolov5_table_is_the_parser():
+    """training.md's YOLOv5 table: a row says 'refused' exactly for the flags train.py refuses with an alternative,
+    and every yolotrain flag it names is one train.py has."""
+    from yolotrain.app import train
+
+    rows = coming_from_rows("training.md", "## Coming from YOLOv5")
+    refused = {re.findall(r"--[\w-]+", r[0])[0] for r in rows if r[1].startswith("refused")}
+    assert refused == set(train.YOLOV5_REFUSED), "training.md 'Coming from YOLOv5': refused rows != YOLOV5_REFUSED"
+    ours = {f for r in rows if "val.py" not in r[0] for f in re.findall(r"--[\w-]+", r[1].split("train.py")[-1])}
+    flags = set(long_options(cli_parsers()["train.py"]))
+    assert ours and ours <= flags, f"training.md 'Coming from YOLOv5' names flags train.py lacks: {ours - flags}"

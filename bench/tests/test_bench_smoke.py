@@ -36,7 +36,7 @@ from tests.helpers import ROOT, run_env
 pytestmark = pytest.mark.bench  # `pytest bench/tests` (CI's second step), not the product's suite
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
-COVERED = {"cache_memory", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
+COVERED = {"cache_memory", "coco128_val", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
            "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "step_launches", "storage_speed", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "cocoeval": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
@@ -589,6 +589,34 @@ def test_convert_parity_yolov5_checkpoints(tmp_path):
     p = _bench("convert_parity", "--models", "yolov5n", *PARITY_ARGS, "--yolov5-python", YOLOV5_PYTHON,
                "--work-dir", tmp_path / "work")
     _check_parity(p.stdout, "yolov5n", ("yolov5", "yolotrain"))
+
+
+# ---------------------------------------------------------------------------------------------- coco128_val
+
+COCO128 = ROOT.parent / "shared" / "data" / "coco128" / "coco128.yaml"
+YOLOV5N = ROOT.parent / "shared" / "weights" / "yolov5n.pt"
+
+
+def test_coco128_val_needs_its_files(tmp_path):
+    data = tmp_path / "none.yaml"
+    p = _bench("coco128_val", "--data", data, "--weights", tmp_path / "w.pt", "--yolov5-python", tmp_path / "python",
+               ok=False)
+    assert p.returncode == 1 and f"{data}: not found" in p.stderr
+
+
+@pytest.mark.slow
+@needs_yolov5
+def test_coco128_val_both_validators_agree(tmp_path):
+    if not (COCO128.is_file() and YOLOV5N.is_file()):
+        pytest.skip(f"no COCO128 and yolov5n.pt in {ROOT.parent / 'shared'} (real data and weights are not shipped)")
+    out = tmp_path / "figures.json"
+    _bench("coco128_val", "--data", COCO128, "--weights", YOLOV5N, "--yolov5-python", YOLOV5_PYTHON, "--work-dir",
+           tmp_path / "work", "--out", out, timeout=1200)
+    figures = json.loads(out.read_text())
+    assert figures["images"] == 128 and figures["boxes"] == 898
+    ours, theirs = figures["yolotrain"], figures["yolov5"]
+    assert abs(ours["coco_map"] - theirs["coco_map"]) < 1e-3 and abs(ours["coco_map50"] - theirs["coco_map50"]) < 1e-3
+    assert abs(ours["detections"] - theirs["detections"]) < 0.01 * theirs["detections"]
 
 
 # ---------------------------------------------------------------------------------------------- identity

@@ -22,7 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from yolotrain.utils.core import dist, precision
 from yolotrain.utils.core.callbacks import Callbacks
 from yolotrain.utils.core.cli import IMGSZ, SEED, ArgumentParser, Range, WordOrRange, add_cache_flags, add_channels_last_flag, \
-    add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_run_folder_flags, add_workers_flag
+    add_device_flags, add_hang_timeout_flag, add_local_rank_flag, add_refused_flags, add_run_folder_flags, \
+    add_workers_flag
 from yolotrain.utils.core.cpu import tune_malloc
 from yolotrain.utils.core.errors import Preempted, UserError, run_entry_point
 from yolotrain.utils.core.fileio import RUNS
@@ -105,7 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_local_rank_flag(p)
     add_stop_and_resume_flags(p)
     add_tracking_flags(p)
+    add_refused_flags(p, YOLOV5_REFUSED)
     return p
+
+
+# YOLOv5 train.py flags this trainer does not take, each with what to type instead (docs/training.md,
+# "Coming from YOLOv5"); --img, --noautoanchor, --noval, --noplots, --evolve and the rest are taken as YOLOv5's.
+YOLOV5_REFUSED = {
+    "--nosave": "last.pt and best.pt are always written (a resume and val.py read them); drop the flag "
+                "(--save-period stays off unless given)",
+    "--label-smoothing": "set label_smoothing: EPS in the --hyp file (the anchor heads' loss reads it; anchor-free "
+                         "heads have no class label smoothing)",
+    "--image-weights": "class-weighted image sampling is not available; train without it",
+    "--quad": "the quad collate is not available; train at a larger --imgsz, or with --multi-scale",
+}
 
 
 def add_compute_flags(p: argparse.ArgumentParser) -> None:

@@ -157,6 +157,27 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"ERROR: {text}\n")
 
 
+class Refused(argparse.Action):
+    """A flag another tool has and this one does not: using it stops the parse with one line that says what to
+    type instead (``ERROR: --quad: ...``, exit 2; a UserError from the Python API). Hidden from --help and
+    from the namespace (no default), so the docs' flag tables and a run's saved arguments never see it."""
+
+    def __init__(self, option_strings: list[str], dest: str, alternative: str = "", **kwargs: Any) -> None:
+        kwargs.update(nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.alternative = alternative
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not a flag here: {self.alternative}")
+
+
+def add_refused_flags(p: argparse.ArgumentParser, refused: dict[str, str]) -> None:
+    """``refused``: flag -> what to type instead (see Refused)."""
+    for flag, alternative in refused.items():
+        p.add_argument(flag, action=Refused, alternative=alternative)
+
+
 def add_device_flags(p: argparse.ArgumentParser, default: str = "", distributed: bool = True,
                      threads_note: str = "") -> None:
     """--device and --threads; ``distributed``: the CLI runs under torchrun, so threads are per rank;
