@@ -188,7 +188,8 @@ def test_the_slurm_batch_script_trains_from_the_bucket_and_requeues_a_stopped_jo
                                                                                   restore_logger):
     """examples/slurm/train-s3.sbatch as SLURM runs it (two srun-style tasks): data from the bucket, each node's
     copies in its --cache-dir, the run in the shared folder; SLURM's USR1 stops the job, the script requeues it,
-    and the requeued job resumes and finishes without asking again."""
+    and the requeued job resumes and finishes without asking again. The run folder is the job's own (name and job
+    id: a requeue keeps the id), and the run saves mid-epoch (--save-interval)."""
     server.fs().mkdir("made")
     url = shards.main(shards.build_parser().parse_args([str(tiny_data), "s3://made/tiny"]))
     tools = tmp_path / "bin"
@@ -216,14 +217,17 @@ def test_the_slurm_batch_script_trains_from_the_bucket_and_requeues_a_stopped_jo
     out = first.communicate(timeout=300)[0]
     assert first.returncode == 75, out[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
-    assert (shared / "job" / "PREEMPTED").is_file() and list((tmp_path / "node").glob("yolotrain-indexes/*"))
+    run_folder = shared / "job-4242"  # $SLURM_JOB_NAME-$SLURM_JOB_ID
+    assert (run_folder / "PREEMPTED").is_file() and list((tmp_path / "node").glob("yolotrain-indexes/*"))
     again = job(*RESUME)  # the requeued job
     out = again.communicate(timeout=600)[0]
     assert again.returncode == 0, out[-3000:]
-    assert "Resuming" in out and not (shared / "job" / "PREEMPTED").exists()
+    assert "Resuming" in out and not (run_folder / "PREEMPTED").exists()
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # finished: not requeued again
-    ckpt = load(shared / "job" / "weights" / "last.pt")
+    ckpt = load(run_folder / "weights" / "last.pt")
     assert ckpt["epoch"] == RESUME_EPOCHS - 1 and ckpt["world_size"] == 2
+    assert ckpt["args"]["save_interval"] == 30 and ckpt["args"]["name"] == "job-4242"
+    assert sorted(p.name for p in shared.iterdir()) == ["job-4242"]  # one folder, the job's
 
 
 def test_missing_credentials_fail_at_the_start(server, monkeypatch):

@@ -33,10 +33,22 @@ def to_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], tool: s
     for name, value in options.items():
         key = str(name).replace("-", "_")
         key = ALIASES.get(key, key) if key not in flags else key
+        if key not in flags and tool == "train.py" and key in hyp_keys():
+            raise UserError(f"{tool}: '{name}' is a hyperparameter, not an option: put '{key}: {options[name]}' in a "
+                            f"copy of the hyp file and pass hyp='that.yaml' (docs/training.md, Hyperparameter files)")
         if key not in flags:
             raise UserError(f"{tool}: unknown option '{name}'.{did_you_mean(key, flags)} See `python {tool} --help`")
         argv += _flag_tokens(flags[key], value, name)
     return argv
+
+
+def hyp_keys() -> set[str]:
+    """The keys a hyp file may hold (lr0, mosaic, close_mosaic, ...)."""
+    import dataclasses
+
+    from yolotrain.utils.core.hyp import Hyp
+
+    return {f.name for f in dataclasses.fields(Hyp)}
 
 
 def _flag_tokens(action: argparse.Action, value: Any, name: str) -> list[str]:
