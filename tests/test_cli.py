@@ -282,3 +282,17 @@ def test_yolov5_flags_refused_with_what_to_type(argv, says, capsys):
     with pytest.raises(shared.UserError, match=re.escape(says)):
         parser.parse_args(argv)
     assert argv[0] not in parser.format_help() and not hasattr(parser.parse_args([]), argv[0][2:].replace("-", "_"))
+
+
+def test_a_hyperparameter_given_as_an_api_option_names_the_hyp_file():
+    """Ultralytics' habit lr0=... is refused with where the key goes; a misspelt option still gets its suggestion."""
+    from yolotrain import options
+    from yolotrain.app import train
+
+    with pytest.raises(shared.UserError, match=r"'lr0' is a hyperparameter, not an option: put 'lr0: 0.02' in a copy "
+                                               r"of the hyp file and pass hyp="):
+        options.to_argv(train.build_parser(), {"lr0": 0.02}, "train.py")
+    with pytest.raises(shared.UserError, match="unknown option 'epoch'. Did you mean 'epochs'"):
+        options.to_argv(train.build_parser(), {"epoch": 3}, "train.py")
+    assert options.to_argv(train.build_parser(), {"epochs": 3, "batch": 8}, "train.py") == ["--epochs", "3",
+                                                                                          "--batch-size", "8"]

@@ -422,3 +422,19 @@ def test_coming_from_yolov5_table_is_the_parser():
     ours = {f for r in rows if "val.py" not in r[0] for f in re.findall(r"--[\w-]+", r[1].split("train.py")[-1])}
     flags = set(long_options(cli_parsers()["train.py"]))
     assert ours and ours <= flags, f"training.md 'Coming from YOLOv5' names flags train.py lacks: {ours - flags}"
+
+
+def test_coming_from_ultralytics_table_is_the_api():
+    """python.md's Ultralytics table: every keyword it gives for yolotrain is an option of train, val or predict
+    (aliases included), and the hyperparameters it sends to a hyp file are hyp keys the API refuses as options."""
+    from yolotrain import options
+
+    rows = coming_from_rows("python.md", "## Coming from Ultralytics")
+    names = set(options.ALIASES)
+    for cli in ("train.py", "val.py", "detect.py"):
+        names |= set(options.option_flags(cli_parsers()[cli]))
+    given = {k for r in rows for k in re.findall(r"\b(\w+)=", r[1])}
+    assert given and given <= names, f"python.md 'Coming from Ultralytics': not options: {given - names}"
+    hyp_row = next(r for r in rows if "hyp file" in r[1])
+    keys = set(re.findall(r"\b(\w+)=", hyp_row[0]))
+    assert keys and keys <= options.hyp_keys() and not keys & set(options.option_flags(cli_parsers()["train.py"]))
