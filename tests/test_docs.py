@@ -438,3 +438,41 @@ def test_coming_from_ultralytics_table_is_the_api():
     hyp_row = next(r for r in rows if "hyp file" in r[1])
     keys = set(re.findall(r"\b(\w+)=", hyp_row[0]))
     assert keys and keys <= options.hyp_keys() and not keys & set(options.option_flags(cli_parsers()["train.py"]))
+
+
+# What each code block of README.md and docs/python.md is, on its fence line after the language (GitHub shows
+# only the language): `installed` blocks run as they are in tests/test_package.py; the rest say why they do not.
+CODE_BLOCK_KINDS = {"installed": "runs in tests/test_package.py, installed, in an empty folder",
+                    "install": "the install itself (tests/test_package.py builds and installs the wheel)",
+                    "checkout": "the checkout form (python train.py ...): checkout-only",
+                    "example": "needs the reader's own data, files or GPUs",
+                    "output": "what a command prints"}
+USER_PAGES = ("README.md", "docs/python.md")
+FENCED = re.compile(r"^```([^\n]*)\n(.*?)^```", re.M | re.S)
+
+
+def code_blocks(text: str) -> list[tuple[str, str, str]]:
+    """(language, kind, body) of every fenced block; kind is the fence's second word, '' when none."""
+    out = []
+    for m in FENCED.finditer(text):
+        words = m[1].split()
+        out.append((words[0] if words else "", words[1] if len(words) > 1 else "", m[2]))
+    return out
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_every_user_code_block_says_what_it_is(page):
+    blocks = code_blocks((ROOT / page).read_text(encoding="utf-8"))
+    unmarked = [body.splitlines()[0] for _, kind, body in blocks if kind not in CODE_BLOCK_KINDS]
+    assert blocks and not unmarked, (f"{page}: code blocks without a kind ({', '.join(CODE_BLOCK_KINDS)}) after the "
+                                     f"language: {unmarked}")
+    checkout = [body for _, kind, body in blocks if kind != "checkout" and re.search(r"^(?:python|\.venv/bin/python) "
+                                                                                     r"(?:train|val|detect|export|tune)"
+                                                                                     r"\.py", body, re.M)]
+    assert not checkout, f"{page}: a block runs python <tool>.py (the checkout form) but is not marked checkout"
+
+
+def test_code_block_reading():
+    text = "```bash checkout\npython train.py\n```\n\n```python installed\nimport x\n```\n```\nplain\n```\n"
+    assert code_blocks(text) == [("bash", "checkout", "python train.py\n"), ("python", "installed", "import x\n"),
+                                 ("", "", "plain\n")]

@@ -131,3 +131,22 @@ def test_torchrun_and_the_api_start_two_ranks_from_the_installed_package(install
            "val_batch_size=4, workers=0, seed=3, name='api'); print(r.last)")
     last = run([python, "-c", api], env=env, cwd=work).stdout.strip().splitlines()[-1]
     assert Path(work, last).resolve() == (work / "runs" / "train" / "api" / "weights" / "last.pt").resolve()
+
+
+@pytest.mark.slow
+def test_the_documented_installed_examples_run_as_written(installed, beside_yolov5):
+    """Every code block of README.md and docs/python.md marked `installed` (tests/test_docs.py: each block says
+    what it is) runs as it is written, with the installed package, in an empty folder beside a YOLOv5 checkout."""
+    from tests.test_docs import USER_PAGES, code_blocks
+
+    work, env = beside_yolov5
+    blocks = [(page, lang, body) for page in USER_PAGES
+              for lang, kind, body in code_blocks((ROOT / page).read_text(encoding="utf-8")) if kind == "installed"]
+    assert blocks, "no code block is marked installed"
+    before = _site_files(installed / "venv")
+    for page, lang, body in blocks:
+        assert lang in ("python", "bash"), f"{page}: an installed block in {lang}"
+        cmd = [installed / "venv" / "bin" / "python", "-c", body] if lang == "python" else ["bash", "-ec", body]
+        env = dict(env, PATH=f"{installed / 'venv' / 'bin'}:{env['PATH']}")
+        run(cmd, env=env, cwd=work, timeout=1800)
+    assert (work / "datasets" / "shapes").is_dir() and _site_files(installed / "venv") == before
