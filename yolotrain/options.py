@@ -7,10 +7,12 @@ line, and a run from Python is the same run as the command with those flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.hyp import Hyp
 
 # Ultralytics' names for options the CLIs spell YOLOv5's way: accepted as well, so notebooks carry over.
 ALIASES = {"batch": "batch_size", "conf": "conf_thres", "iou": "iou_thres"}
@@ -44,10 +46,6 @@ def to_argv(parser: argparse.ArgumentParser, options: Mapping[str, Any], tool: s
 
 def hyp_keys() -> set[str]:
     """The keys a hyp file may hold (lr0, mosaic, close_mosaic, ...)."""
-    import dataclasses
-
-    from yolotrain.utils.core.hyp import Hyp
-
     return {f.name for f in dataclasses.fields(Hyp)}
 
 
