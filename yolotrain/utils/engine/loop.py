@@ -135,7 +135,7 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
                 hooks.events.batch_end(ni, out.mloss, stepped=False)
                 continue
             stop.agree(out.flags.stop)
-            if stop.agreed and (ended := stop_for_fault(guard, stop, state, i)) is not None:
+            if stop.agreed and (ended := stop_for_fault(guard, stop, out.mloss, i)) is not None:
                 bar.close()
                 return ended
             hooks.clock.pending |= out.flags.save_due
@@ -195,11 +195,11 @@ def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int,
         yield item
 
 
-def stop_for_fault(guard: LoaderGuard, stop: StopRequest, state, i: int) -> EpochEnded | None:
+def stop_for_fault(guard: LoaderGuard, stop: StopRequest, mloss: torch.Tensor, i: int) -> EpochEnded | None:
     """A stop agreed at batch ``i``'s step: when a rank's loader failed, its line on every rank (``stop.faulted``),
     and the epoch's end here when rank 0 already wrote the checkpoint from before the step."""
     stop.faulted, ends = guard.at_stop(i)
-    return EpochEnded(state.mloss.cpu(), Stop(StopReason.PREEMPTED, stop.faulted)) if ends else None
+    return EpochEnded(mloss.cpu(), Stop(StopReason.PREEMPTED, stop.faulted)) if ends else None
 
 
 def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:
