@@ -101,6 +101,7 @@ class LoaderGuard:
         (the stop request). Anything that is not the machine's failing is raised again."""
         where = f"epoch {self.epoch + 1}, batch {done + 1}"
         rank = f"rank {self.t.info.rank}: " if self.t.info.distributed else ""
+        it = it if it is not None else getattr(self.t.train_loader, "_iterator", None)  # iter() itself failed
         killed = dead_workers(e, it)
         if killed and self.restarts < MAX_RESTARTS:
             self.restarts += 1
@@ -110,13 +111,14 @@ class LoaderGuard:
             self.t.train_loader.sampler.set_epoch(self.epoch, skip=done * self.t.plan.per_rank_batch)
             return True
         if killed:
-            fault = f"{rank}{killed} at {where}, the {self.restarts + 1}th time. {OOM_HINT}"
+            fault = (f"{rank}{killed} at {where}, after {self.restarts} restarts of the loader. {OOM_HINT}",
+                     "with that changed")
         elif isinstance(e, UserError) or storage_error(e) is not None:
-            fault = f"{rank}{e} at {where}, after the scan had read it"
+            fault = f"{rank}{e} at {where}, after the scan had read it", "once the file can be read again"
         else:
             raise e
         if self.spare is None:  # nothing delivered yet: no batch can stand in
-            raise UserError(fault) from None
+            raise UserError(fault[0]) from None
         self._shut(it)
         self.stop.fault = fault
         self.stand_in = self.spare._replace(images=None if self.spare.images is None else self.spare.images.clone())
@@ -194,16 +196,17 @@ class LoaderGuard:
         faults = [f for f, _ in gathered if f]
         if not faults:
             return None, False
-        presaved, nb, last = gathered[0][1], self.t.plan.batches_per_epoch, self.t.weights_dir / "last.pt"
-        resume = f"once it is readable again, {tool_command('train')} --resume {last} continues from it"
+        (fault, when), presaved = faults[0], gathered[0][1]
+        nb, last = self.t.plan.batches_per_epoch, self.t.weights_dir / "last.pt"
+        resume = f"{when}, {tool_command('train')} --resume {last} continues from it"
         if presaved is None:
             where = f"epoch {self.epoch + 1}, batch {i + 1}/{nb}" if i < nb - 1 else f"the end of epoch {self.epoch + 1}"
-            return f"{faults[0]}; saved {last} at {where}: {resume}", False
+            return f"{fault}; saved {last} at {where}: {resume}", False
         kind, text = presaved
         if kind == "refused":
-            return f"{faults[0]}; {text}", True
+            return f"{fault}; {text}", True
         said = "saved" if kind == "saved" else "kept"
-        return f"{faults[0]}; {said} {last} at {text}, the last optimizer step every rank's batches were read for: " \
+        return f"{fault}; {said} {last} at {text}, the last optimizer step every rank's batches were read for: " \
                f"{resume}", True
 
 

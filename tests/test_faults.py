@@ -1,0 +1,201 @@
+"""The machine failing under a running job (utils/engine/faults.py, utils/core/storage.py): a read-only run
+folder, a disk that fills mid-run, an image that vanishes mid-epoch, a loader worker killed. Each gives one line
+naming the file and the problem, a non-zero exit on every rank (or a run that goes on exactly, for a killed
+worker), no traceback, and checkpoints that load and resume to the undisturbed run's weights.
+
+Real conditions: a read-only bind mount and a small tmpfs (root only; skipped where mount is not permitted), a
+train images folder moved away while the run trains (tests/scripts/vanish.py), a worker SIGKILLed from outside.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import LAUNCHERS, PYTHON, ROOT, assert_same_run, children, load, out, run, run_env, run_train
+
+EPOCHS = 3
+# 32 images in batches of 4: 8 batches an epoch, and by epoch 3 the warmup's accumulation puts optimizer steps
+# two batches apart, so a fault can land between steps
+FLAGS = ["--imgsz", "64", "--batch-size", "4", "--val-batch-size", "4", "--workers", "0", "--seed", "5",
+         "--epochs", str(EPOCHS), "--noplots", "--keep-optimizer"]
+VANISH = str(ROOT / "tests" / "scripts" / "vanish.py")
+
+
+def _yaml(root: Path, at: Path) -> Path:
+    at.write_text(f"path: {root}\ntrain: images/train\nval: images/val\n"
+                  "names: {0: circle, 1: square, 2: triangle, 3: star, 4: cross, 5: ring}\n")
+    return at
+
+
+@pytest.fixture(scope="module")
+def data(shapes_dataset, once) -> Path:
+    """The shared 32-image dataset's yaml (read-only: a test that removes files copies it)."""
+    root = shapes_dataset(2, 32, 8)
+    return once("faults-data", lambda folder: _yaml(root, folder / "data.yaml")) / "data.yaml"
+
+
+@pytest.fixture
+def own_data(shapes_dataset, tmp_path) -> Path:
+    """A copy of the dataset this test may damage; its yaml."""
+    root = tmp_path / "ds"
+    shutil.copytree(shapes_dataset(2, 32, 8), root)
+    return _yaml(root, tmp_path / "data.yaml")
+
+
+@contextlib.contextmanager
+def mounted(target: Path, *options: str, source: str = "tmpfs"):
+    """``mount`` for the test (root, a mount namespace that permits it), always unmounted after."""
+    target.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", *options, source, str(target)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"mount {' '.join(options)} not permitted here: {p.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def no_traceback(text: str) -> None:
+    ours = [f'File "{ROOT / name}' for name in ("train.py", "yolotrain")]
+    assert "Traceback" not in text and not any(frame in text for frame in ours), text[-3000:]
+
+
+def temp_files(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("launcher", ["1-process", pytest.param("2-process", marks=[pytest.mark.slow,
+                                                                                    pytest.mark.dist])])
+def test_read_only_run_folder_is_refused_before_any_work(launcher, data, tmp_path):
+    """--project on a read-only file system: one line naming the folder and the reason, on every rank, before
+    the scan (no label cache written beside the labels of a fresh copy) or the model build."""
+    source = tmp_path / "source"
+    source.mkdir()
+    with mounted(tmp_path / "ro", "--bind", "-o", "ro", source=str(source)) as ro:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        p = run_train(LAUNCHERS[launcher], data, ro / "runs", "exp", *FLAGS, ok=False, timeout=300)
+    text = out(p)
+    line = f"{ro / 'runs' / 'exp'}: the run folder is not writable: read-only file system (EROFS)"
+    assert text.count(line) >= (2 if launcher == "2-process" else 1), text[-3000:]
+    assert "Training " not in text
+    no_traceback(text)
+
+
+@pytest.mark.slow
+def test_full_disk_mid_run_names_the_file_and_the_checkpoint_to_resume(data, reference_run, tmp_path):
+    """A tmpfs that holds epoch 1's last.pt and best.pt but not epoch 2's last.pt: exit 1 with the line naming
+    last.pt, ENOSPC and the free space, epoch 1's last.pt as the one to resume, no temp file left; the run folder
+    copied to a disk with room resumes to the undisturbed run's weights. A smaller one refuses best.pt: last.pt of
+    that epoch was written and is good."""
+    ref = reference_run(*FLAGS, data=data)
+    size = ref.last.stat().st_size
+    with mounted(tmp_path / "small", "-t", "tmpfs", "-o", f"size={int(2.5 * size)}") as small:
+        p = run_train([PYTHON], data, small, "run", *FLAGS, ok=False, timeout=300)
+        weights = small / "run" / "weights"
+        last = weights / "last.pt"
+        assert p.returncode == 1 and f"ERROR: {last}: cannot be written: no space left on the device (ENOSPC); " \
+            in out(p), out(p)[-3000:]
+        assert f"free of" in out(p) and f"{last} (epoch 1) is the last good checkpoint" in out(p)
+        assert f"--resume {last} continues from it" in out(p)
+        no_traceback(out(p))
+        assert temp_files(weights) == [] and load(last)["epoch"] == 0
+        shutil.copytree(small / "run", tmp_path / "run")
+    run([PYTHON, "train.py", "--resume", tmp_path / "run" / "weights" / "last.pt"], timeout=300)
+    assert_same_run(ref.last, tmp_path / "run" / "weights" / "last.pt", epochs=EPOCHS)
+    with mounted(tmp_path / "smaller", "-t", "tmpfs", "-o", f"size={int(1.5 * size)}") as smaller:
+        p = run_train([PYTHON], data, smaller, "run", *FLAGS, ok=False, timeout=300)
+        weights = smaller / "run" / "weights"
+        assert p.returncode == 1 and f"ERROR: {weights / 'best.pt'}: cannot be written: no space left" in out(p)
+        assert f"{weights / 'last.pt'} of epoch 1 was written and is good" in out(p), out(p)[-3000:]
+        assert temp_files(weights) == [] and load(weights / "last.pt")["epoch"] == 0
+
+
+@pytest.mark.slow
+def test_image_vanishing_mid_epoch_stops_with_a_checkpoint_that_resumes_exactly(own_data, data, reference_run,
+                                                                              tmp_path):
+    """The train images folder moved away after batch 5 of epoch 3 (the next fetch lands between optimizer steps):
+    the line names the image and the checkpoint, saved at that epoch's last optimizer step before the batch the
+    rank could not read (batch 5, no stand-in batch in it); with the folder back, --resume ends bit-identical to
+    the undisturbed run."""
+    ref = reference_run(*FLAGS, data=data)
+    images = own_data.parent / "ds" / "images" / "train"
+    p = run([PYTHON, VANISH, "--vanish-at", f"{EPOCHS}:5", images, "--data", own_data, "--project",
+             tmp_path / "runs", "--name", "run", *FLAGS], ok=False, timeout=300)
+    last = tmp_path / "runs" / "run" / "weights" / "last.pt"
+    text = out(p)
+    assert p.returncode == 1 and f"ERROR: {images}/" in text and "cannot read image (No such file or directory)" \
+        in text, text[-3000:]
+    assert f"saved {last} at epoch {EPOCHS}, batch 5/8, the last optimizer step" in text
+    assert f"once the file can be read again, python train.py --resume {last} continues from it" in text
+    no_traceback(text)
+    assert load(last)["batches_done"] == 5
+    images.with_name("train.gone").rename(images)
+    run([PYTHON, "train.py", "--resume", last], timeout=300)
+    assert_same_run(ref.last, last, epochs=EPOCHS)
+
+
+@pytest.mark.slow
+def test_killed_loader_worker_restarts_the_loader_and_the_run_ends_exactly(data, reference_run, tmp_path):
+    """SIGKILL (what the OOM killer sends) to the training loader's worker after epoch 1: a warning naming the
+    worker, the cause and what to change; the loader restarts at the batch it had not delivered and the run ends
+    with the undisturbed run's weights (--workers does not change the draws)."""
+    ref = reference_run(*FLAGS, data=data)
+    cmd = [PYTHON, "train.py", "--data", data, "--project", tmp_path / "runs", "--name", "run", *FLAGS,
+           "--workers", "1"]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=run_env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        victim = _first_worker(proc, log)
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert f"WARNING: loader worker (pid {victim}) was killed by SIGKILL at epoch 2, batch 1; restarted the " \
+           "loader there (1/3)" in text, text[-3000:]
+    assert "OOM killer" in text and "--workers" in text and "--cache" in text
+    no_traceback(text)
+    assert_same_run(ref.last, tmp_path / "runs" / "run" / "weights" / "last.pt", epochs=EPOCHS)
+
+
+def _first_worker(proc: subprocess.Popen, log: Path) -> int:
+    """Once epoch 1 is logged: the run's first child, the training loader's worker (the validation's starts later)."""
+    deadline = time.time() + 240
+    while "epoch 1/" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+    def started(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+
+    return min(children(proc.pid), key=started)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_image_vanishing_under_torchrun_stops_every_rank_with_a_checkpoint(own_data, tmp_path):
+    """Two ranks: the images folder moved away mid-epoch; each rank names an image and the checkpoint, every rank
+    exits non-zero together (no rank waits for another), and with the folder back the resumed job finishes."""
+    images = own_data.parent / "ds" / "images" / "train"
+    torchrun = LAUNCHERS["2-process"]
+    t0 = time.time()
+    p = run([*torchrun, VANISH, "--vanish-at", f"{EPOCHS}:5", images, "--data", own_data, "--project",
+             tmp_path / "runs", "--name", "run", *FLAGS], ok=False, timeout=400)
+    text, last = out(p), tmp_path / "runs" / "run" / "weights" / "last.pt"
+    assert time.time() - t0 < 400 and "cannot read image (No such file or directory)" in text, text[-3000:]
+    assert text.count(f"the last optimizer step every rank's batches were read for: once the file can be read "
+                      f"again, python train.py --resume {last}") >= 2, text[-3000:]
+    assert "exitcode  : 1" in text and "UserError" not in text
+    assert load(last)["epoch"] == EPOCHS - 2 and 0 < load(last)["batches_done"] < 8
+    images.with_name("train.gone").rename(images)
+    run([*torchrun, "train.py", "--resume", last], timeout=400)
+    assert load(last)["epoch"] == EPOCHS - 1
