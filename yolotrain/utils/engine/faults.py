@@ -103,16 +103,17 @@ class LoaderGuard:
         rank = f"rank {self.t.info.rank}: " if self.t.info.distributed else ""
         it = it if it is not None else getattr(self.t.train_loader, "_iterator", None)  # iter() itself failed
         killed = dead_workers(e, it)
+        hint = f" {OOM_HINT}" if killed and "SIGTERM" not in killed else ""  # SIGTERM: a scheduler's stop
         if killed and self.restarts < MAX_RESTARTS:
             self.restarts += 1
             LOGGER.warning(f"WARNING: {rank}{killed} at {where}; restarted the loader there ({self.restarts}/"
-                           f"{MAX_RESTARTS}). {OOM_HINT}")
+                           f"{MAX_RESTARTS}).{hint}")
             self._shut(it)
             self.t.train_loader.sampler.set_epoch(self.epoch, skip=done * self.t.plan.per_rank_batch)
             return True
         if killed:
-            fault = (f"{rank}{killed} at {where}, after {self.restarts} restarts of the loader. {OOM_HINT}",
-                     "with that changed")
+            fault = (f"{rank}{killed} at {where}, after {self.restarts} restarts of the loader.{hint}",
+                     "once the workers have the memory they need")
         elif isinstance(e, UserError) or storage_error(e) is not None:
             fault = f"{rank}{e} at {where}, after the scan had read it", "once the file can be read again"
         else:
