@@ -144,10 +144,11 @@ def test_image_vanishing_mid_epoch_stops_with_a_checkpoint_that_resumes_exactly(
 
 
 @pytest.mark.slow
-def test_killed_loader_worker_restarts_the_loader_and_the_run_ends_exactly(data, reference_run, tmp_path):
-    """SIGKILL (what the OOM killer sends) to the training loader's worker after epoch 1: a warning naming the
-    worker, the cause and what to change; the loader restarts at the batch it had not delivered and the run ends
-    with the undisturbed run's weights (--workers does not change the draws)."""
+def test_killed_loader_workers_restart_and_the_run_ends_exactly(data, reference_run, tmp_path):
+    """SIGKILL (what the OOM killer sends) to the training and the validation loaders' workers after epoch 1: a
+    warning for each naming the worker, the cause and what to change; the training loader restarts at the batch
+    it had not delivered, the validation runs again on fresh workers, and the run ends with the undisturbed run's
+    weights and metrics (--workers does not change the draws)."""
     ref = reference_run(*FLAGS, data=data)
     cmd = [PYTHON, "train.py", "--data", data, "--project", tmp_path / "runs", "--name", "run", *FLAGS,
            "--workers", "1"]
@@ -155,21 +156,25 @@ def test_killed_loader_worker_restarts_the_loader_and_the_run_ends_exactly(data,
     with open(log, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=run_env(), stdout=f, stderr=subprocess.STDOUT)
     try:
-        victim = _first_worker(proc, log)
-        os.kill(victim, signal.SIGKILL)
+        train_worker, val_worker = _workers(proc, log)
+        for pid in (train_worker, val_worker):
+            os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
         proc.kill()
     text = log.read_text()
-    assert f"WARNING: loader worker (pid {victim}) was killed by SIGKILL at epoch 2, batch 1; restarted the " \
+    assert f"WARNING: loader worker (pid {train_worker}) was killed by SIGKILL at epoch 2, batch 1; restarted the " \
            "loader there (1/3)" in text, text[-3000:]
+    assert f"WARNING: loader worker (pid {val_worker}) was killed by SIGKILL during validation; validating again " \
+           "on a fresh loader (1/3)" in text, text[-3000:]
     assert "OOM killer" in text and "--workers" in text and "--cache" in text
     no_traceback(text)
     assert_same_run(ref.last, tmp_path / "runs" / "run" / "weights" / "last.pt", epochs=EPOCHS)
 
 
-def _first_worker(proc: subprocess.Popen, log: Path) -> int:
-    """Once epoch 1 is logged: the run's first child, the training loader's worker (the validation's starts later)."""
+def _workers(proc: subprocess.Popen, log: Path) -> list[int]:
+    """Once epoch 1 is logged: the run's two children, the training loader's worker and the validation's (which
+    starts later), both waiting for the next epoch."""
     deadline = time.time() + 240
     while "epoch 1/" not in log.read_text():
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
@@ -179,7 +184,9 @@ def _first_worker(proc: subprocess.Popen, log: Path) -> int:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
 
-    return min(children(proc.pid), key=started)
+    found = sorted(children(proc.pid), key=started)
+    assert len(found) == 2, found
+    return found
 
 
 @pytest.mark.slow

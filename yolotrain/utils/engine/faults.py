@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from yolotrain.utils.data.batch import Batch
 from yolotrain.utils.engine.preempt import StopRequest
 from yolotrain.utils.engine.setup import Training
 
+T = TypeVar("T")
 MAX_RESTARTS = 3  # loader restarts per rank and run after a killed worker; the next kill stops the run
 STAND_IN_KEY = "yolotrain/stand-in"  # the store's flag: some rank trains on a stand-in batch until the step
 
@@ -126,15 +128,7 @@ class LoaderGuard:
         return False
 
     def _shut(self, it) -> None:
-        loader = self.t.train_loader
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001  (a broken pool goes; the fresh one is what matters)
-                pass
-        if getattr(loader, "_iterator", None) is it:
-            loader._iterator = None  # persistent workers: the next iter() starts a new pool
+        _shut_loader(self.t.train_loader, it)
 
     # ------------------------------------------------------------------ the stop, agreed at a step
     def taken(self, item) -> None:
@@ -213,6 +207,37 @@ class LoaderGuard:
 
 OOM_HINT = ("The kernel's OOM killer sends SIGKILL when host memory runs out: fewer --workers, or --cache disk (or "
             "none) in place of --cache ram, leave more of it")
+
+
+def validate_through_kills(evaluate: Callable[[], T], loader, info: DistInfo) -> T:
+    """``evaluate()`` over ``loader``; a killed worker is named and the validation runs again from its first batch
+    on fresh workers (its collectives come after the last batch, so the other ranks wait for this rank there),
+    up to ``MAX_RESTARTS`` times; the next kill ends the run with the loader's word."""
+    rank = f"rank {info.rank}: " if info.distributed else ""
+    for restart in range(1, MAX_RESTARTS + 1):
+        try:
+            return evaluate()
+        except RuntimeError as e:
+            killed = dead_workers(e, getattr(loader, "_iterator", None))
+            if killed is None:
+                raise
+            hint = f" {OOM_HINT}" if "SIGTERM" not in killed else ""
+            LOGGER.warning(f"WARNING: {rank}{killed} during validation; validating again on a fresh loader "
+                           f"({restart}/{MAX_RESTARTS}).{hint}")
+            _shut_loader(loader, getattr(loader, "_iterator", None))
+    return evaluate()
+
+
+def _shut_loader(loader, it) -> None:
+    """End ``it``'s workers (what is left of them) so that the next ``iter(loader)`` starts a new pool."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001  (a broken pool goes; the fresh one is what matters)
+            pass
+    if it is not None and getattr(loader, "_iterator", None) is it:
+        loader._iterator = None  # persistent workers: the next iter() starts a new pool
 
 
 def dead_workers(e: Exception, it) -> str | None:

@@ -22,7 +22,7 @@ from yolotrain.utils.core.errors import EXIT_PREEMPTED
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.core.watchdog import Watchdog
 from yolotrain.utils.data.device_feed import DeviceFeed, OnDevice
-from yolotrain.utils.engine.faults import LoaderGuard
+from yolotrain.utils.engine.faults import LoaderGuard, validate_through_kills
 from yolotrain.utils.engine.hooks import EpochVerdict, Hooks
 from yolotrain.utils.engine.preempt import StopRequest
 from yolotrain.utils.engine.progress import ProgressBar
@@ -108,7 +108,9 @@ def validate(t: Training) -> EvalResult | None:
     t.ema.sync_buffers()
     options = EvalOptions(channels_last=t.cfg.channels_last, half=t.val_half,
                           keep_batches=3 if final and not t.cfg.noplots else 0)
-    return evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion)
+    return validate_through_kills(  # a killed loader worker: validated again (utils/engine/faults.py)
+        lambda: evaluate_model(t.ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.criterion),
+        t.val_loader, t.info)
 
 
 def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> EpochEnded:
