@@ -78,7 +78,7 @@ def check_writable(folder: Path, what: str, flags: str) -> str | None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        where = Path(e.filename) if getattr(e, "filename", None) else folder
+        where = Path(e.filename) if getattr(e, "filename", None) and Path(e.filename) != probe else folder
         space = free_space(where) if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         return (f"{folder}: {what} is not writable: {in_words(e)}" + (f" at {where}" if where != folder else "")
                 + (f"; {space}" if space else "") + f"; choose another folder ({flags}) or make this one writable")
