@@ -85,7 +85,8 @@ def test_read_only_run_folder_is_refused_before_any_work(launcher, data, tmp_pat
         p = run_train(LAUNCHERS[launcher], data, ro / "runs", "exp", *FLAGS, ok=False, timeout=300)
     text = out(p)
     line = f"{ro / 'runs' / 'exp'}: the run folder is not writable: read-only file system (EROFS)"
-    assert text.count(line) >= (2 if launcher == "2-process" else 1), text[-3000:]
+    assert f"ERROR: {line}" in text, text[-3000:]
+    assert launcher == "1-process" or f"[rank 1] ERROR: {line}" in text, text[-3000:]  # rank 1's own line
     assert "Training " not in text
     no_traceback(text, torchrun=launcher == "2-process")
 
@@ -201,11 +202,33 @@ def test_image_vanishing_under_torchrun_stops_every_rank_with_a_checkpoint(own_d
              tmp_path / "runs", "--name", "run", *FLAGS], ok=False, timeout=400)
     text, last = out(p), tmp_path / "runs" / "run" / "weights" / "last.pt"
     assert time.time() - t0 < 400 and "cannot read image (No such file or directory)" in text, text[-3000:]
-    assert text.count(f"the last optimizer step every rank's batches were read for: once the file can be read "
-                      f"again, python train.py --resume {last}") >= 2, text[-3000:]
+    said = f"the last optimizer step every rank's batches were read for: once the file can be read again, " \
+           f"python train.py --resume {last} continues from it"
+    ranks = [line for line in text.splitlines() if said in line and "ERROR: " in line]
+    assert any(line.startswith("ERROR: ") for line in ranks), text[-3000:]
+    assert any(line.startswith("[rank 1] ERROR: ") for line in ranks), text[-3000:]  # rank 1's own line
     assert "exitcode  : 1" in text
     no_traceback(text, torchrun=True)
     assert load(last)["epoch"] == EPOCHS - 2 and 0 < load(last)["batches_done"] < 8
     images.with_name("train.gone").rename(images)
     run([*torchrun, "train.py", "--resume", last], timeout=400)
     assert load(last)["epoch"] == EPOCHS - 1
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_full_disk_under_torchrun_stops_every_rank_with_the_line(data, tmp_path):
+    """Two ranks, a tmpfs that holds epoch 1's checkpoints but not epoch 2's last.pt: rank 0's refused write
+    reaches rank 1 at the epoch's end agreement; both exit 1 with the same line, no rank waits for the other."""
+    probe = tmp_path / "probe"
+    run_train([PYTHON], data, probe, "run", *FLAGS, "--epochs", "1", timeout=300)
+    size = (probe / "run" / "weights" / "last.pt").stat().st_size
+    with mounted(tmp_path / "small", "-t", "tmpfs", "-o", f"size={int(2.5 * size)}") as small:
+        p = run_train(LAUNCHERS["2-process"], data, small, "run", *FLAGS, ok=False, timeout=400)
+        last = small / "run" / "weights" / "last.pt"
+        text = out(p)
+        line = f"{last}: cannot be written: no space left on the device (ENOSPC)"
+        assert f"ERROR: {line}" in text and f"[rank 1] ERROR: {line}" in text, text[-3000:]  # each rank's own
+        assert f"{last} (epoch 1) is the last good checkpoint" in text and "exitcode  : 1" in text
+        no_traceback(text, torchrun=True)
+        assert temp_files(last.parent) == [] and load(last)["epoch"] == 0
