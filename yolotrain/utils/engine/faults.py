@@ -212,9 +212,11 @@ OOM_HINT = ("The kernel's OOM killer sends SIGKILL when host memory runs out: fe
 def validate_through_kills(evaluate: Callable[[], T], loader, info: DistInfo) -> T:
     """``evaluate()`` over ``loader``; a killed worker is named and the validation runs again from its first batch
     on fresh workers (its collectives come after the last batch, so the other ranks wait for this rank there),
-    up to ``MAX_RESTARTS`` times; the next kill ends the run with the loader's word."""
+    up to ``MAX_RESTARTS`` times; the next kill ends the run with its line."""
     rank = f"rank {info.rank}: " if info.distributed else ""
-    for restart in range(1, MAX_RESTARTS + 1):
+    restart = 0
+    while True:
+        restart += 1
         try:
             return evaluate()
         except RuntimeError as e:
@@ -222,10 +224,12 @@ def validate_through_kills(evaluate: Callable[[], T], loader, info: DistInfo) ->
             if killed is None:
                 raise
             hint = f" {OOM_HINT}" if "SIGTERM" not in killed else ""
+            if restart > MAX_RESTARTS:
+                raise UserError(f"{rank}{killed} during validation, after {MAX_RESTARTS} fresh loaders.{hint}") \
+                    from None
             LOGGER.warning(f"WARNING: {rank}{killed} during validation; validating again on a fresh loader "
                            f"({restart}/{MAX_RESTARTS}).{hint}")
             _shut_loader(loader, getattr(loader, "_iterator", None))
-    return evaluate()
 
 
 def _shut_loader(loader, it) -> None:

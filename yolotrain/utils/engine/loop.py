@@ -118,7 +118,9 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
 
     A stop signal agreed at a step (``stop.agreed``) ends the epoch there with a mid-epoch last.pt and a
     PREEMPTED stop; when that step is the epoch's last, the epoch ends as usual and run_epochs stops after
-    its checkpoint. A non-finite loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop.
+    its checkpoint. A non-finite loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop. The
+    batches come through the run's LoaderGuard (utils/engine/faults.py): a rank whose loader failed asks for the
+    stop, and ``stop_for_fault`` ends the epoch where rank 0 already saved from before the step.
     ``watch`` hears of each batch: fetched in phase "loader" (from the second on, inside the step before it:
     ``DeviceFeed.ahead``), trained in "step", saved in "save"."""
     state, step, nb = t.state, t.step, t.plan.batches_per_epoch
