@@ -121,6 +121,40 @@ def test_full_disk_mid_run_names_the_file_and_the_checkpoint_to_resume(data, ref
 
 
 @pytest.mark.slow
+def test_run_folder_remounted_read_only_mid_run_stops_at_the_next_write(data, reference_run, tmp_path):
+    """The run folder's file system remounted read-only once epoch 1's checkpoints are written: epoch 2's
+    results.csv row is refused with EROFS, epoch 1's last.pt named as the one to resume; remounted writable, the
+    resume ends with the undisturbed run's weights."""
+    ref = reference_run(*FLAGS, data=data)
+    source = tmp_path / "source"
+    source.mkdir()
+    log = tmp_path / "log.txt"
+    with mounted(tmp_path / "disk", "--bind", source=str(source)) as disk:
+        weights = disk / "run" / "weights"
+        cmd = [PYTHON, "train.py", "--data", data, "--project", disk, "--name", "run", *FLAGS]
+        with open(log, "w") as f:
+            proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=run_env(), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 240
+            while not (weights / "best.pt").exists():  # written after last.pt: epoch 1's checkpoints are done
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(disk)], check=True)
+            assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
+        finally:
+            proc.kill()
+        text = log.read_text()
+        assert f"ERROR: {disk / 'run' / 'results.csv'}: cannot be written: read-only file system (EROFS)" in text, \
+            text[-3000:]
+        assert f"{weights / 'last.pt'} (epoch 1) is the last good checkpoint" in text
+        no_traceback(text)
+    last = source / "run" / "weights" / "last.pt"
+    assert temp_files(last.parent) == [] and load(last)["epoch"] == 0
+    run([PYTHON, "train.py", "--resume", last], timeout=300)
+    assert_same_run(ref.last, last, epochs=EPOCHS)
+
+
+@pytest.mark.slow
 def test_image_vanishing_mid_epoch_stops_with_a_checkpoint_that_resumes_exactly(own_data, data, reference_run,
                                                                               tmp_path):
     """The train images folder moved away after batch 5 of epoch 3 (the next fetch lands between optimizer steps):
