@@ -17,7 +17,7 @@ from pathlib import Path
 # folder or a stale NFS handle give a write
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-                  errno.EPERM: "operation not permitted", errno.ENOENT: "the folder no longer exists",
+                  errno.EPERM: "operation not permitted", errno.ENOENT: "the folder is gone",
                   errno.ESTALE: "stale file handle (the NFS export changed under the job)",
                   errno.EIO: "input/output error", errno.EFBIG: "file too large for the file system"}
 

@@ -1,4 +1,4 @@
-"""The machine failing under a running job: a loader worker killed, an input that can no longer be read, a run
+"""The machine failing under a running job: a loader worker killed, an input that cannot be read mid-run, a run
 or cache folder that cannot be written.
 
 ``LoaderGuard`` hands the loop this rank's training batches. A loader worker that dies (SIGKILL from the
