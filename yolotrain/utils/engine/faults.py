@@ -195,7 +195,8 @@ class LoaderGuard:
         nb, last = self.t.plan.batches_per_epoch, self.t.weights_dir / "last.pt"
         resume = f"{when}, {tool_command('train')} --resume {last} continues from it"
         if presaved is None:
-            where = f"epoch {self.epoch + 1}, batch {i + 1}/{nb}" if i < nb - 1 else f"the end of epoch {self.epoch + 1}"
+            epoch = self.epoch + 1
+            where = f"epoch {epoch}, batch {i + 1}/{nb}" if i < nb - 1 else f"the end of epoch {epoch}"
             return f"{fault}; saved {last} at {where}: {resume}", False
         kind, text = presaved
         if kind == "refused":
