@@ -127,10 +127,7 @@ def test_run_folder_remounted_read_only_mid_run_stops_at_the_next_write(data, re
         with open(log, "w") as f:
             proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=run_env(), stdout=f, stderr=subprocess.STDOUT)
         try:
-            deadline = time.time() + 240
-            while not (weights / "best.pt").exists():  # written after last.pt: epoch 1's checkpoints are done
-                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
+            _wait_for(weights / "best.pt", proc, log)  # written after last.pt: epoch 1's checkpoints are done
             subprocess.run(["mount", "-o", "remount,bind,ro", str(disk)], check=True)
             assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
         finally:
@@ -143,6 +140,34 @@ def test_run_folder_remounted_read_only_mid_run_stops_at_the_next_write(data, re
     last = source / "run" / "weights" / "last.pt"
     assert temp_files(last.parent) == [] and load(last)["epoch"] == 0 and load(last)["model"].keys() == \
         load(ref.last)["model"].keys()
+
+
+@pytest.mark.slow
+def test_run_folder_removed_mid_run_is_named_at_the_next_write(data, tmp_path):
+    """The run folder removed once epoch 1's checkpoints are written: epoch 2's results.csv row fails with the
+    folder named gone (ENOENT), and the line says no checkpoint is left to resume."""
+    run_dir, log = tmp_path / "runs" / "run", tmp_path / "log.txt"
+    cmd = [PYTHON, "train.py", "--data", data, "--project", run_dir.parent, "--name", "run", *FLAGS, "--epochs", "2"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=run_env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(run_dir / "weights" / "best.pt", proc, log)
+        shutil.rmtree(run_dir)
+        assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert f"ERROR: {run_dir / 'results.csv'}: cannot be written: the folder is gone (ENOENT)" in text, text[-3000:]
+    assert f"no checkpoint of this run is left in {run_dir / 'weights'}, so it starts again" in text
+    no_traceback(text)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path) -> None:
+    """Until ``path`` exists (the run still going)."""
+    deadline = time.time() + 240
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
 
 
 @pytest.mark.slow

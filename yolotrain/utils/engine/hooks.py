@@ -72,12 +72,9 @@ class Checkpointer:
 
     def failure(self, path: Path, e: OSError) -> str:
         """The line for a refused write of ``path``: what failed, and what to resume from."""
-        if self.saved_at is not None:
-            good = f"{self.last} ({self.saved_at}) is the last good checkpoint"
-        elif self.last.is_file():
-            good = f"{self.last} (the checkpoint this run resumed from) is the last good checkpoint"
-        else:
-            return f"{write_failure(path, e)}; no checkpoint of this run was written yet, so it starts again"
+        if not self.last.is_file():  # none written yet, or the run folder removed under the job
+            return f"{write_failure(path, e)}; no checkpoint of this run is left in {self.dir}, so it starts again"
+        good = f"{self.last} ({self.saved_at or 'the checkpoint this run resumed from'}) is the last good checkpoint"
         return (f"{write_failure(path, e)}; {good}: once the folder can be written again, "
                 f"{tool_command('train')} --resume {self.last} continues from it")
 
