@@ -244,7 +244,9 @@ def _workers(proc: subprocess.Popen, log: Path) -> list[int]:
 @pytest.mark.dist
 def test_image_vanishing_under_torchrun_stops_every_rank_with_a_checkpoint(own_data, tmp_path):
     """Two ranks: the images folder moved away mid-epoch; each rank names an image and the checkpoint, every rank
-    exits non-zero together (no rank waits for another), and with the folder back the resumed job finishes."""
+    exits non-zero together (no rank waits for another). Resumed with the folder back and half its images moved
+    away as training starts, each rank fails before it trained a batch, stands in a readable sample and stops at
+    the first step with the checkpoint it resumed from; with all back the resumed job finishes."""
     images = own_data.parent / "ds" / "images" / "train"
     torchrun = LAUNCHERS["2-process"]
     t0 = time.time()
@@ -261,6 +263,16 @@ def test_image_vanishing_under_torchrun_stops_every_rank_with_a_checkpoint(own_d
     no_traceback(text, torchrun=True)
     assert load(last)["epoch"] == EPOCHS - 2 and 0 < load(last)["batches_done"] < 8
     images.with_name("train.gone").rename(images)
+    p = run([*torchrun, VANISH, "--vanish-at", f"{EPOCHS}:0:half", images, "--resume", last], ok=False, timeout=400)
+    ranks = [line for line in out(p).splitlines() if "cannot read image (No such file or directory)" in line]
+    assert any(line.startswith("ERROR: ") for line in ranks), out(p)[-3000:]
+    assert any(line.startswith("[rank 1] ERROR: ") for line in ranks), out(p)[-3000:]
+    assert f"{last} (the checkpoint this run resumed from) stays the checkpoint to resume" in out(p)
+    assert any(f"at epoch {EPOCHS}, batch 6, after the scan" in line for line in ranks)  # a rank's first batch
+    no_traceback(out(p), torchrun=True)
+    assert load(last)["epoch"] == EPOCHS - 2
+    for path in images.with_name("train.gone").iterdir():
+        path.rename(images / path.name)
     run([*torchrun, "train.py", "--resume", last], timeout=400)
     assert load(last)["epoch"] == EPOCHS - 1
 

@@ -33,6 +33,7 @@ from yolotrain.utils.core.errors import UserError
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.core.storage import check_writable, storage_error
 from yolotrain.utils.data.batch import Batch
+from yolotrain.utils.data.dataset import SampleKey
 from yolotrain.utils.engine.preempt import StopRequest
 from yolotrain.utils.engine.setup import Training
 
@@ -120,12 +121,24 @@ class LoaderGuard:
             fault = f"{rank}{e} at {where}, after the scan had read it", "once the file can be read again"
         else:
             raise e
-        if self.spare is None:  # nothing delivered yet: no batch can stand in
-            raise UserError(fault[0]) from None
         self._shut(it)
+        self.spare = self.spare if self.spare is not None else self._readable_batch()
+        if self.spare is None:  # nothing delivered yet and no sample readable: no batch can stand in
+            raise UserError(fault[0]) from None
         self.stop.fault = fault
         self.stand_in = self.spare._replace(images=None if self.spare.images is None else self.spare.images.clone())
         return False
+
+    def _readable_batch(self) -> Batch | None:
+        """A batch of one readable sample (no mosaic), repeated: the stand-in of a process whose loader failed
+        before it delivered anything; None when none of the first few samples reads."""
+        dataset, n = self.t.train_loader.dataset, self.t.plan.per_rank_batch
+        for index in range(min(len(dataset), 16)):
+            try:
+                return dataset.__getitems__([SampleKey(0, index, False)] * n)
+            except Exception:  # noqa: BLE001  (unreadable too: the next one)
+                continue
+        return None
 
     def _shut(self, it) -> None:
         _shut_loader(self.t.train_loader, it)
@@ -165,6 +178,8 @@ class LoaderGuard:
 
     def _presave(self, checkpointer) -> tuple[str, str]:
         """last.pt as it stood at this epoch's last optimizer step: its batch count, mean loss and buffers."""
+        if self.completed is None and not checkpointer.last.is_file():
+            return "refused", "no checkpoint of this run was written yet, so it starts again"
         if self.completed is None:  # no step of this epoch in this process: last.pt stays the resume point
             return "kept", checkpointer.saved_at or "the checkpoint this run resumed from"
         state, own = self.t.state, list(self.t.model.buffers())
@@ -201,8 +216,10 @@ class LoaderGuard:
         kind, text = presaved
         if kind == "refused":
             return f"{fault}; {text}", True
-        said = "saved" if kind == "saved" else "kept"
-        return f"{fault}; {said} {last} at {text}, the last optimizer step every rank's batches were read for: " \
+        if kind == "kept":
+            return f"{fault}; {last} ({text}) stays the checkpoint to resume, no optimizer step having run since: " \
+                   f"{resume}", True
+        return f"{fault}; saved {last} at {text}, the last optimizer step every rank's batches were read for: " \
                f"{resume}", True
 
 
