@@ -189,7 +189,16 @@ def test_image_vanishing_mid_epoch_stops_with_a_checkpoint_that_resumes_exactly(
     assert f"once the file can be read again, python train.py --resume {last} continues from it" in text
     no_traceback(text)
     assert load(last)["batches_done"] == 5
-    images.with_name("train.gone").rename(images)
+    gone = images.with_name("train.gone")
+    images.mkdir()
+    for path in sorted(gone.iterdir())[:8]:  # a resume before every image is back: the scan finds fewer
+        path.rename(images / path.name)
+    p = run([PYTHON, "train.py", "--resume", last], ok=False, timeout=300)
+    assert f"ERROR: {own_data}: its train split gives 2 batches per epoch per rank where the run in {last} had 8" \
+        in out(p), out(p)[-3000:]
+    no_traceback(out(p))
+    for path in gone.iterdir():
+        path.rename(images / path.name)
     run([PYTHON, "train.py", "--resume", last], timeout=300)
     assert_same_run(ref.last, last, epochs=EPOCHS)
 

@@ -32,7 +32,7 @@ from yolotrain.utils.data.config import DEMO_DATA
 from yolotrain.utils.data.imgcache import release_ram_caches
 from yolotrain.utils.engine.autobatch import BATCH_SIZE
 from yolotrain.utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_resume, size_default_help
-from yolotrain.utils.engine.faults import check_run_folders
+from yolotrain.utils.engine.faults import check_resumed_data, check_run_folders
 from yolotrain.utils.engine.hooks import Hooks, build_hooks
 from yolotrain.utils.engine.loop import run_epochs
 from yolotrain.utils.engine.preempt import StopRequest
@@ -184,6 +184,7 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
     check_run_folders(cfg.save_dir, cfg.cache_dir, info)  # writable, on every rank, before any work
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
         t = build_training(cfg, info, device, saved, started, source)  # data, model, loaders, optimizer, state, DDP
+        check_resumed_data(t, saved)  # a resume whose images went missing (or came) since: refused
         hooks = build_hooks(t, callbacks, stop)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
     with hooks:  # the trackers close on every end: finished, preempted, failed
         return fit(t, hooks, stop, watch, started)

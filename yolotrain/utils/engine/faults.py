@@ -53,6 +53,18 @@ def check_run_folders(save_dir: Path, cache_dir: str | None, info: DistInfo) -> 
         raise UserError(found[0])
 
 
+def check_resumed_data(t: Training, saved) -> None:
+    """A resumed run trains the data it was saved with: a train split that gives another number of batches per
+    epoch (images removed or added since, found by the scan) is refused on every rank, unless --allow-changes."""
+    step = (saved.ckpt.get("step") or {}) if saved is not None else {}
+    was, now = step.get("batches_per_epoch"), t.plan.batches_per_epoch
+    if was is None or was == now or step.get("world_size") != t.info.world_size or t.cfg.allow_changes:
+        return
+    raise UserError(f"{t.cfg.data}: its train split gives {now} batches per epoch per rank where the run in "
+                    f"{saved.path} had {was}: images were removed or added since it was saved; put them back to "
+                    "--resume it (--allow-changes continues on the data as it is)")
+
+
 def _ignore_child(signum: int, frame) -> None:
     """SIGCHLD: a dead worker is found where the loader waits for it (LoaderGuard), not at any bytecode."""
 
