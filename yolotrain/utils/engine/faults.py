@@ -14,15 +14,17 @@ the stand-in is never in it and a resume repeats the undisturbed run exactly. Ra
 trained on a stand-in from the process group's store, set before that rank's stepping batch, so before rank 0
 can have finished that batch's gradient all-reduce.
 
-``check_run_folders``: the run folder and --cache-dir are checked writable on every rank before any work.
+``validate_through_kills``: a validation whose loader worker was killed runs again on fresh workers.
+``check_run_folders``: the run folder and --cache-dir are checked writable on every rank before any work;
+``check_resumed_data``: a resume whose train split lost (or gained) images since is refused on every rank.
 """
 from __future__ import annotations
 
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
