@@ -73,8 +73,8 @@ def temp_files(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("launcher", ["1-process", pytest.param("2-process", marks=[pytest.mark.slow,
-                                                                                    pytest.mark.dist])])
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["1-process", pytest.param("2-process", marks=pytest.mark.dist)])
 def test_read_only_run_folder_is_refused_before_any_work(launcher, data, tmp_path):
     """--project on a read-only file system: one line naming the folder and the reason, on every rank, before
     the scan (no label cache written beside the labels of a fresh copy) or the model build."""
