@@ -33,6 +33,7 @@ from yolotrain.utils.data.config import DEMO_DATA
 from yolotrain.utils.data.imgcache import release_ram_caches
 from yolotrain.utils.engine.autobatch import BATCH_SIZE
 from yolotrain.utils.engine.config import ModelSource, RunConfig, resolve_config, resolve_resume, size_default_help
+from yolotrain.utils.engine.faults import check_resumed_data, check_run_folders
 from yolotrain.utils.engine.hooks import Hooks, build_hooks
 from yolotrain.utils.engine.loop import run_epochs
 from yolotrain.utils.engine.preempt import StopRequest
@@ -194,8 +195,10 @@ def train(cfg: RunConfig, info: dist.DistInfo, device: torch.device, saved: Save
     """Build the run, train its epochs, then act on why they ended: finish, or exit for a requeue or a NaN.
     ``source``: a fresh run's model yaml and --weights, read once when the arguments were merged."""
     started = time.time()
+    check_run_folders(cfg.save_dir, cfg.cache_dir, info)  # writable, on every rank, before any work
     with watch.phase("setup"):  # the data scan inside names itself ("setup > scan")
         t = build_training(cfg, info, device, saved, started, source)  # data, model, loaders, optimizer, state, DDP
+        check_resumed_data(t, saved)  # a resume whose images went missing (or came) since: refused
         hooks = build_hooks(t, callbacks, stop)  # checkpoints, pictures, the epoch's end, events, trackers, --save-interval
     with hooks:  # the trackers close on every end: finished, preempted, failed
         return fit(t, hooks, stop, watch, started)
@@ -215,6 +218,8 @@ def fit(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog, started: 
         release_ram_caches(info.local_rank, t.train_loader.dataset.imgcache, t.val_loader.dataset.imgcache)
     if end.reason is StopReason.NAN_BUDGET:
         raise UserError(end.message)
+    if end.reason is StopReason.PREEMPTED and stop.faulted:  # a killed loader or a vanished image: fix, resume
+        raise UserError(stop.faulted)
     if end.reason is StopReason.PREEMPTED:
         hooks.checkpointer.mark_preempted(end.message)  # <run>/PREEMPTED: what a requeueing batch script tests
         raise Preempted(end.message)

@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from yolotrain.utils.core.errors import EXIT_PREEMPTED
 from yolotrain.utils.core.logging import LOGGER
 from yolotrain.utils.core.watchdog import Watchdog
 from yolotrain.utils.data.device_feed import DeviceFeed, OnDevice
+from yolotrain.utils.engine.faults import LoaderGuard, validate_through_kills
 from yolotrain.utils.engine.hooks import EpochVerdict, Hooks
 from yolotrain.utils.engine.preempt import StopRequest
 from yolotrain.utils.engine.progress import ProgressBar
@@ -110,7 +111,9 @@ def validate(t: Training) -> EvalResult | None:
     ema.sync_buffers()
     options = EvalOptions(channels_last=t.cfg.channels_last, half=t.val_half,
                           keep_batches=3 if final and not t.cfg.noplots else 0)
-    return evaluate_model(ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.step.criterion)
+    return validate_through_kills(  # a killed loader worker: validated again (utils/engine/faults.py)
+        lambda: evaluate_model(ema.ema, t.val_loader, t.device, t.names, t.info, options, criterion=t.step.criterion),
+        t.val_loader, t.info)
 
 
 def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdog) -> EpochEnded:
@@ -118,16 +121,19 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
 
     A stop signal agreed at a step (``stop.agreed``) ends the epoch there with a mid-epoch last.pt and a
     PREEMPTED stop; when that step is the epoch's last, the epoch ends as usual and run_epochs stops after
-    its checkpoint. A non-finite loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop.
+    its checkpoint. A non-finite loss with no --nan-recover recovery left ends it with a NAN_BUDGET stop. The
+    batches come through the run's LoaderGuard (utils/engine/faults.py): a rank whose loader failed asks for the
+    stop, and ``stop_for_fault`` ends the epoch where rank 0 already saved from before the step.
     ``watch`` hears of each batch: fetched in phase "loader" (from the second on, inside the step before it:
     ``DeviceFeed.ahead``), trained in "step", saved in "save"."""
     state, step, nb = t.state, t.step, t.plan.batches_per_epoch
     epoch, first = state.epoch, state.batches_done
     step.begin(epoch, first)
     bar = ProgressBar(t, first, nb)
-    fed = DeviceFeed(t.train_loader, t.device, t.memory_format)  # fed.ahead(): the next batch during this step
-    ask = lambda: (hooks.clock.due(t.info), stop.requested)  # noqa: E731  (read at an optimizer step)
-    for i, item in fetch_batches(bar.enumerate(fed, first), watch, epoch, first):
+    guard = hooks.loader = hooks.loader or LoaderGuard(t)  # a killed worker, a vanished image (utils/engine/faults.py)
+    fed = DeviceFeed(guard.batches(stop, epoch, first), t.device, t.memory_format)  # fed.ahead(): the next batch
+    ask = lambda: guard.ask(hooks)  # noqa: E731  (read at an optimizer step)
+    for i, item in fetch_batches(bar.enumerate(fed, first), watch, epoch, first, taken=guard.taken):
         with watch.phase("step", f"epoch {epoch + 1}, batch {i + 1}"):  # DDP's collectives and check_step's
             state.batches_done, ni = i + 1, i + nb * epoch  # ni: batches since the start of training
             images = step_input(t, hooks, item, i, ni)
@@ -136,12 +142,16 @@ def train_one_epoch(t: Training, hooks: Hooks, stop: StopRequest, watch: Watchdo
                 hooks.events.batch_end(ni, out.mloss, stepped=False)
                 continue
             stop.agree(out.flags.stop)
+            if stop.agreed and (ended := stop_for_fault(guard, stop, out.mloss, i)) is not None:
+                bar.close()
+                return ended
             hooks.clock.pending |= out.flags.save_due
             if out.failure:
                 bar.close()
                 return EpochEnded(out.mloss.cpu(), Stop(StopReason.NAN_BUDGET, out.failure))
             if not out.stepped:  # rolled back (--nan-recover)
                 continue
+            guard.stepped(i, out.flags.mloss)
             if (stop.agreed or hooks.clock.pending) and i < nb - 1:  # the epoch's end saves anyway
                 save_mid_epoch(t, hooks, watch, stopping=stop.agreed)
                 if stop.agreed:
@@ -177,15 +187,26 @@ def save_mid_epoch(t: Training, hooks: Hooks, watch: Watchdog, stopping: bool) -
         hooks.checkpointer.save_mid_epoch(t)
 
 
-def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int) -> Iterator[T]:
-    """The epoch's batches, each waited for in phase "loader": a stalled loader worker names itself."""
+def fetch_batches(batches: Iterable[T], watch: Watchdog, epoch: int, first: int,
+                  taken: Callable[[object], None] | None = None) -> Iterator[T]:
+    """The epoch's batches, each waited for in phase "loader": a stalled loader worker names itself. ``taken``
+    hears of each (``(i, OnDevice)``) before it trains."""
     it = iter(batches)
     for i in itertools.count(first):
         with watch.phase("loader", f"epoch {epoch + 1}, batch {i + 1}"):
             item = next(it, _END)
         if item is _END:
             return
+        if taken is not None:
+            taken(item[1] if isinstance(item, tuple) else item)
         yield item
+
+
+def stop_for_fault(guard: LoaderGuard, stop: StopRequest, mloss: torch.Tensor, i: int) -> EpochEnded | None:
+    """A stop agreed at batch ``i``'s step: when a rank's loader failed, its line on every rank (``stop.faulted``),
+    and the epoch's end here when rank 0 already wrote the checkpoint from before the step."""
+    stop.faulted, ends = guard.at_stop(i)
+    return EpochEnded(mloss.cpu(), Stop(StopReason.PREEMPTED, stop.faulted)) if ends else None
 
 
 def rescale_batch(imgs: torch.Tensor, imgsz: int, gs: int, seed: int, epoch: int, i: int) -> torch.Tensor:

@@ -28,11 +28,15 @@ class StopRequest:
         self.signal: str | None = None  # the first signal's name; a second one changes nothing
         self.agreed = False  # every rank learned of a signal at a step: the run leaves there (or at the epoch's end)
         self.asked: str | None = None  # a listener's reason to end the run after the epoch in progress
+        # this rank's loader failed mid-epoch (utils/engine/faults.py), its line and when a resume will work: the run
+        # stops at the next optimizer step
+        self.fault: tuple[str, str] | None = None
+        self.faulted: str | None = None  # agreed at the stop on every rank: the run ends with this line, exit 1
         self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
-        return self.signal is not None
+        return self.signal is not None or self.fault is not None
 
     def agree(self, stop: bool) -> None:
         """A step's all-reduce said whether a stop signal reached some rank; once agreed it stays agreed."""
