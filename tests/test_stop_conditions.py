@@ -151,10 +151,6 @@ class _FakeRun:
         return getattr(self.state, name)
 
 
-def _fake_run(epochs: int, hours: float, close_mosaic: int = 2) -> _FakeRun:
-    return _FakeRun(epochs, hours)
-
-
 def _after_epoch(run: _FakeRun, epoch: int, spent: float, seconds: float, close_mosaic: int = 2) -> None:
     """What run_epochs does after ``epoch``, which took ``seconds``, with ``spent`` seconds of the budget used."""
     state = run.state
@@ -172,7 +168,7 @@ def _lr(run: _FakeRun) -> float:
 
 
 def test_time_budget_fits_the_epochs_the_schedule_and_close_mosaic():
-    state = _fake_run(epochs=3, hours=100 / 3600)  # 100 s
+    state = _FakeRun(epochs=3, hours=100 / 3600)  # 100 s
     _after_epoch(state, 0, spent=12.0, seconds=10.0)
     assert state.epochs == 1 + 8  # 88 s left, 10 s an epoch
     assert _lr(state) == pytest.approx(0.01 * lr_lambda(9, 0.01)(1))  # epoch 1's LR, 9-epoch plan
@@ -187,14 +183,14 @@ def test_time_budget_fits_the_epochs_the_schedule_and_close_mosaic():
 
 
 def test_time_budget_ends_on_the_epoch_planned_last_and_when_nothing_fits():
-    state = _fake_run(epochs=4, hours=1 / 3600)
+    state = _FakeRun(epochs=4, hours=1 / 3600)
     _after_epoch(state, 0, spent=5.0, seconds=5.0)
     assert state.epochs == 1  # over budget: the epoch just done is the last
-    state = _fake_run(epochs=2, hours=1.0)
+    state = _FakeRun(epochs=2, hours=1.0)
     state.clock.epoch_seconds = [2.0]
     _after_epoch(state, 1, spent=5.0, seconds=2.0)
     assert state.epochs == 2  # began as the last epoch: not extended
-    state = _fake_run(epochs=3, hours=0)
+    state = _FakeRun(epochs=3, hours=0)
     _after_epoch(state, 0, spent=1e9, seconds=1.0)
     assert state.epochs == 3 and state.clock.epoch_seconds == [1.0]  # off: timed, never refitted
 

@@ -38,6 +38,7 @@ from yolotrain.models.heads.base import Head
 from yolotrain.models.registry import (CHANNEL_MODULES, MODULES, REPEAT_INSIDE, head_args, head_class, head_has_anchors,
                              head_names, row_class)
 from yolotrain.utils.core.errors import UserError, did_you_mean
+from yolotrain.utils.core.fileio import shipped
 from yolotrain.utils.core.logging import LOGGER
 
 MODELS_DIR = Path(__file__).resolve().parent
@@ -108,12 +109,9 @@ def _find_model_yaml(path: Path) -> Path:
     then the same two places for the family file of a sized name (yolov8n.yaml -> yolov8.yaml)."""
     family = _family_name(path.name)
     for name in [path.name] + ([family] if family else []):
-        candidate = path.with_name(name)
-        if candidate.is_file():
-            return candidate
-        bundled = MODELS_DIR / name
-        if path.parts[:-1] in ((), ("models",)) and bundled.is_file():  # 'yolov5s.yaml', 'models/yolov5s.yaml'
-            return bundled
+        found = shipped(path.with_name(name), "models")  # as typed, else 'yolov5s.yaml', 'models/yolov5s.yaml'
+        if found.is_file():
+            return found
     known = _bundled_names()
     raise UserError(f"{path}: model yaml not found.{did_you_mean(path.name, known)}"
                     f" Bundled models: {', '.join(known)}")

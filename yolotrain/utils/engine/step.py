@@ -170,8 +170,8 @@ class Step:
         self.module.train()
         self.epoch, self.accumulate = epoch, self.plan.accumulate
         self.last_opt_step = epoch * self.plan.batches_per_epoch + batches_done - 1
-        resumed = self.agreed if batches_done and self.agreed is not None else None
-        self.mloss = resumed if resumed is not None else torch.zeros(self.n_items, device=self.device)
+        resumed = batches_done and self.agreed is not None
+        self.mloss = self.agreed if resumed else torch.zeros(self.n_items, device=self.device)
 
     def agree_loss(self) -> torch.Tensor:
         """The running mean loss over ranks (a collective: every rank calls it), kept for the next checkpoint."""
