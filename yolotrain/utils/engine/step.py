@@ -168,6 +168,8 @@ class Step:
         """An epoch starts at ``batches_done`` (a resumed mid-epoch checkpoint's, whose running loss the step
         loaded); each epoch ended on an optimizer step."""
         self.module.train()
+        if epoch == self.plan.micro_epochs and not batches_done:  # whole batches from here: their own graphs
+            self.loss.recapture()
         self.epoch, self.accumulate = epoch, self.plan.accumulate
         self.last_opt_step = epoch * self.plan.batches_per_epoch + batches_done - 1
         resumed = batches_done and self.agreed is not None
