@@ -153,27 +153,6 @@ def test_step_loss_without_graphs_is_the_model_then_the_loss():
     assert torch.equal(loss, want) and torch.equal(items, want_items)
 
 
-def test_a_recapture_captures_the_next_batch_at_its_own_shape():
-    """--micro-steps early's late epochs train whole batches: the step asks the graphed loss to capture anew, so
-    the larger batch replays its own graphs instead of running eagerly (the capture: an eager stand-in)."""
-    model = Model(ROOT / "models" / "yolov8n.yaml", nc=3).train()
-    captured = []
-
-    def capture(module, args):
-        captured.append(tuple(args[0].shape))
-        return module.forward
-
-    step = StepLoss(model, model.detect.build_criterion(Hyp(), 64), graphs=True, capture=capture)
-    g = torch.Generator().manual_seed(0)
-    for n in (4, 4, 8):  # parts of 4, then a whole batch of 8: eager until recaptured
-        step(torch.rand(n, 3, 64, 64, generator=g), _targets(n, g))
-    step.recapture()
-    for n in (8, 8):
-        step(torch.rand(n, 3, 64, 64, generator=g), _targets(n, g))
-    assert captured == [(4, 3, 64, 64), (8, 3, 64, 64)]
-    assert step.replayable.signature[0] == (8, 3, 64, 64)
-
-
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("name", ["yolov8n", "yolov5n"])

@@ -127,33 +127,6 @@ def test_a_large_batch_trains_as_batch_16_and_resumes_exactly(forty_images, tmp_
     assert load(tmp_path / "off" / "weights" / "last.pt")["optimizer_choice"]["steps_per_batch"] == 1
 
 
-def test_early_micro_steps_cut_the_first_epochs_then_step_per_batch_and_resume_exactly(forty_images, tmp_path):
-    """--micro-steps early at batch 32 over 4 epochs: the first quarter (epoch 1) trains as the batch-16 run (steps
-    of 16, 16 and 8), then each batch is one step (32, then 8) at the larger lr of --micro-steps off, with the
-    weight decay per image kept. Killed at the switch (epoch 1's checkpoint) or inside a late epoch and resumed,
-    it is the uninterrupted run bit for bit."""
-    args = (*RESUME, "--batch-size", "32", "--epochs", "4", "--micro-steps", "early")
-    p = run_train([PYTHON], forty_images, tmp_path, "whole", *args)
-    assert "2 optimizer steps per batch (a step per 16 images) for the first 1 epochs, then one step per batch" in p.stdout
-    whole = load(tmp_path / "whole" / "weights" / "last.pt")
-    choice = whole["optimizer_choice"]
-    assert (choice["steps_per_batch"], choice["micro_epochs"]) == (2, 1)
-    assert choice["late_lr"] == choice["lr"] == 0.004  # two classes: at the cap already (x 32 / 16 is capped)
-    assert whole["step"]["micro_epochs"] == 1
-    for name, die_at in (("switch", "2:0"), ("late", "3:1")):
-        p = run_train([PYTHON], forty_images, tmp_path, name, *args, "--save-interval", "1e-9",
-                      script=(DIE_AFTER_SAVE, "--die-at", die_at), ok=None)
-        assert p.returncode == 137, out(p)[-3000:]
-        last = tmp_path / name / "weights" / "last.pt"
-        if name == "late":  # saved after epoch 3's first batch: 3 steps, 2, then 1 of 32 images
-            saved = load(last)["optimizer"]
-            assert {int(s["step"]) for s in saved["state"].values()} == {3 + 2 + 1}
-            weights = next(g for g in saved["param_groups"] if g["kind"] == "weight")
-            assert weights["weight_decay"] == weights["initial_decay"] * 2  # per image as in the 16-image steps
-        _resume(last)
-        assert_same_run(whole, last, epochs=4)
-
-
 def test_other_layout_and_precision_resume_exactly_and_keep_their_settings(tiny_data, tmp_path, reference_run):
     """CPU trains NHWC by default, and in bf16 autocast where bf16 is native; NCHW and the other
     precision (fp32 on such a CPU, bf16 on any other) are exact on their own, and a resume given

@@ -211,44 +211,6 @@ def test_a_step_plan_cuts_batches_into_the_batch_16_runs_steps():
     assert (two.per_rank_batch, two.parts, two.part, two.batches_per_epoch, two.images_per_step) == (64, 4, 16, 7, 32)
 
 
-def test_early_micro_steps_cut_the_first_quarter_then_step_once_per_batch():
-    """--micro-steps early: the batch-16 run's steps for the first quarter of the epochs (rounded up), then one
-    step per batch at --micro-steps off's lr; the plan, the LR schedule and the start summary agree on it. A
-    batch of 16, or a run too short to have a later quarter, is the plain rule."""
-    from yolotrain.utils.engine.optim import LateSteps, LRSchedule, Warmup
-    from yolotrain.utils.engine.plan import StepPlan
-    rule = RECIPES["anchor-free"]
-
-    def auto(batch: int, epochs: int = 30, **kw):
-        return rule.optimizer("auto", Hyp(), nc=11, n_images=800, batch=BatchSplit(batch, 1), epochs=epochs, **kw)
-
-    early, off = auto(64, step_images=16, early=True), auto(64, step_images=0)
-    assert (early.steps_per_batch, early.micro_epochs, early.lr, early.late_lr) == (4, 8, 0.002668, off.lr) == (
-        4, 8, 0.002668, 0.004)  # 0.002668 x 64 / 16, capped
-    assert ("4 optimizer steps per batch of 64 (a step per 16 images) for the first 8 epochs, then a step every "
-            "batch at lr 0.004 (--micro-steps early)") in early.reason
-    assert auto(128, epochs=10, step_images=16, early=True).micro_epochs == 3  # ceil(2.5)
-    assert auto(16, step_images=16, early=True) == auto(16)  # nothing to cut
-    assert auto(64, epochs=1, step_images=16, early=True) == auto(64, epochs=1)  # no later quarter
-    plan = StepPlan.of(BatchSplit(64, 1), 16, 4, 800, micro_epochs=8)
-    assert [plan.cuts(e) for e in (0, 7, 8, 29)] == [True, True, False, False]
-    assert plan.describe() == ("4 optimizer steps per batch (a step per 16 images) for the first 8 epochs, then one "
-                               "step per batch")
-    assert plan.late_steps(1.5) == LateSteps(8, 1.5, 4.0) and plan.record()["micro_epochs"] == 8
-    assert StepPlan.of(BatchSplit(16, 1), 16, 1, 800, micro_epochs=8).micro_epochs is None  # one part: no switch
-    weight = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([{"params": [weight], "lr": 0.002, "weight_decay": 0.1}])
-    lr = LRSchedule(optimizer, Warmup(iters=0, bias_lr=0.0, momentum0=0.8, momentum=0.9), 4, lrf=0.01, cos=False,
-                    late=LateSteps(1, 1.5, 4.0))
-    seen = []
-    for _ in range(4):
-        g = optimizer.param_groups[0]
-        seen.append((g["lr"], g["weight_decay"]))
-        lr.next_epoch()
-    fn = [1 - e / 4 * 0.99 for e in range(4)]
-    assert seen == [pytest.approx((0.002 * fn[0], 0.1))] + [pytest.approx((0.002 * f * 1.5, 0.4)) for f in fn[1:]]
-
-
 def test_accumulation_follows_the_chosen_step_size():
     """SGD gathers 64 images a step, the short run's AdamW 16; the plan and the summary read images per step from
     one place."""

@@ -80,13 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: SGD for anchor heads (YOLOv5's recipe); for anchor-free heads AdamW with an lr from the "
                         "class count on short schedules, SGD on long ones (the log says which and why); MuSGD: Muon's "
                         "orthogonalised step plus SGD on conv/linear weights, SGD elsewhere")
-    p.add_argument("--micro-steps", type=WordOrRange(("auto", "on", "off", "early"), Range(int, min=BN_BATCH_FLOOR)),
+    p.add_argument("--micro-steps", type=WordOrRange(("auto", "on", "off"), Range(int, min=BN_BATCH_FLOOR)),
                    default="auto",
                    help="a short run's AdamW (--optimizer auto) cuts a batch above 16 into optimizer steps of 16 "
                         "images (on), the batch-16 run's steps, or of N images (a number): more accurate at equal "
-                        "epochs, but each step has a fixed cost on a GPU; early: steps of 16 for the first quarter of "
-                        "the epochs, then one step per batch (auto: on for a CPU, where a step costs its images, off "
-                        "on CUDA)")
+                        "epochs, but each step has a fixed cost on a GPU (auto: on for a CPU, where a step costs its "
+                        "images, off on CUDA)")
     p.add_argument("--cos-lr", action="store_true", help="cosine LR schedule")
     p.add_argument("--single-cls", action="store_true", help="train multi-class data as single-class")
     p.add_argument("--patience", type=Range(int, min=0), default=100,

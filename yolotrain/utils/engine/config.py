@@ -211,7 +211,7 @@ def choose_optimizer(cfg: RunConfig, recipe: Recipe, hyp: Hyp, nc: int, data: Da
     """A fresh run's --optimizer, by its family's rule on the train split's listed images (``count_images``, no
     label read): one count, so the start's refusals and the run judge the same choice, which checkpoints record."""
     return recipe.optimizer(cfg.optimizer, hyp, nc, count_images(data), batch, cfg.epochs,
-                            step_images=micro_step_images(cfg.micro_steps), early=cfg.micro_steps == "early")
+                            step_images=micro_step_images(cfg.micro_steps))
 
 
 def augment_default(flag: str, device: torch.device) -> str:
@@ -232,9 +232,9 @@ def micro_steps_default(flag: str, device: torch.device) -> str:
 
 
 def micro_step_images(resolved: str) -> int:
-    """The images per optimizer step a resolved --micro-steps asks of a short run's large batch: on (and early,
-    for its first epochs), the batch-16 run's SHORT_RUN_BATCH; a number, that many; off, 0 (one step per batch)."""
-    words = {"on": SHORT_RUN_BATCH, "early": SHORT_RUN_BATCH, "off": 0}
+    """The images per optimizer step a resolved --micro-steps asks of a short run's large batch: on, the
+    batch-16 run's SHORT_RUN_BATCH; a number, that many; off, 0 (one step per batch)."""
+    words = {"on": SHORT_RUN_BATCH, "off": 0}
     return words[resolved] if resolved in words else int(resolved)
 
 

@@ -129,12 +129,6 @@ class StepLoss:
         self.capture = capture or capture_graphs  # a test's eager stand-in where there is no GPU
         self.slots = 0  # target slots per image the captured loss holds
 
-    def recapture(self) -> None:
-        """The step's input changes for good (--micro-steps early's late epochs: whole batches instead of parts):
-        the next training batch is captured anew, at its own shape, and the old graphs are freed."""
-        if self.replayable is not None:
-            self.replayable.replay, self.replayable.signature, self.slots = None, None, 0
-
     def __call__(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.graphs or not self.model.training:
             return self.criterion(self.model(images), targets, self.ranks if self.model.training else ALONE)

@@ -33,8 +33,6 @@ class OptimizerChoice:
     nominal_batch: int = NOMINAL_BATCH  # images per optimizer step (accumulated); runs saved before it: 64
     class_lr_gain: float = 1.0  # LR multiplier on the head's class branches (Head.class_branches)
     steps_per_batch: int = 1  # optimizer steps per rank batch, one per part of it (utils/engine/step.py)
-    micro_epochs: int | None = None  # the epochs cut into those steps, then one step per batch (None: every epoch)
-    late_lr: float | None = None  # the LR of the one step per batch after ``micro_epochs``
 
 
 def smart_optimizer(model: nn.Module, name: str = "SGD", lr: float = 0.001, momentum: float = 0.9,
@@ -119,48 +117,28 @@ class Warmup:
     momentum: float
 
 
-@dataclass(frozen=True)
-class LateSteps:
-    """From ``epoch`` on, a short run's batch is one optimizer step instead of several (``--micro-steps early``):
-    each step sees ``images`` times the images, so the LR grows by ``lr_gain`` and the weight decay per step by
-    ``images``, keeping the decay per image."""
-
-    epoch: int
-    lr_gain: float
-    images: float
-
-
 class LRSchedule:
     """The one writer of every parameter group's learning rate (and of momentum during warmup).
 
-    Five things set the LR, all here: the per-batch warmup ramp, the per-epoch schedule (linear or
-    cosine to lrf), the step plan's late epochs of larger steps (``LateSteps``: their LR gain and weight
-    decay), --nan-recover's halving for the rest of an epoch (``scale``) and --time's refit of the schedule
-    to a new epoch count. The base LR of each group is its ``initial_lr`` (and its base weight decay its
-    ``initial_decay``), which a resumed optimizer's state brings back with the group's values of the epoch
-    it stands at.
+    Four things set the LR, all here: the per-batch warmup ramp, the per-epoch schedule (linear or
+    cosine to lrf), --nan-recover's halving for the rest of an epoch (``scale``) and --time's refit of
+    the schedule to a new epoch count. The base LR of each group is its ``initial_lr``, which a
+    resumed optimizer's state brings back with the group's LR of the epoch it stands at.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup: Warmup, epochs: int, lrf: float, cos: bool,
-                 late: LateSteps | None = None) -> None:
-        self.optimizer, self.warmup, self.lrf, self.cos, self.late = optimizer, warmup, lrf, cos, late
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: Warmup, epochs: int, lrf: float, cos: bool) -> None:
+        self.optimizer, self.warmup, self.lrf, self.cos = optimizer, warmup, lrf, cos
         self.fn = lr_lambda(epochs, lrf, cos)
         self.epoch = 0  # the epoch whose LR the groups hold
         self.scale = 1.0  # --nan-recover's factor until the epoch ends
         for g in optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
-            g.setdefault("initial_decay", g.get("weight_decay", 0.0))
-        self._set_from_schedule()
+            g["lr"] = g["initial_lr"] * self.fn(0)
 
     def values(self) -> list[float]:
         """The LRs of the three base groups (bias, norm, weight): results.csv's x/lr0-2. Boosted groups
         (smart_optimizer's ``gain``) follow them at their fixed multiple."""
         return [g["lr"] for g in self.optimizer.param_groups[:3]]
-
-    def target(self, g: dict, epoch: int) -> float:
-        """Group ``g``'s LR of ``epoch`` by the schedule, before warmup and --nan-recover."""
-        gain = self.late.lr_gain if self.late and epoch >= self.late.epoch else 1.0
-        return g["initial_lr"] * self.fn(epoch) * gain
 
     def warmup_step(self, ni: int, epoch: int) -> None:
         """Tick ``ni`` (step.StepPlan.tick, counted from the run's start) of warmup: ramp LR and momentum, then apply
@@ -171,7 +149,7 @@ class LRSchedule:
         for j, g in enumerate(self.optimizer.param_groups):
             # bias groups (see smart_optimizer; group 0 in an optimizer saved without kinds) warm down from bias_lr
             start = w.bias_lr if g.get("kind", "bias" if j == 0 else "") == "bias" else 0.0
-            g["lr"] = float(np.interp(ni, xi, [start, self.target(g, epoch)]))
+            g["lr"] = float(np.interp(ni, xi, [start, g["initial_lr"] * self.fn(epoch)]))
             if "momentum" in g:
                 g["momentum"] = float(np.interp(ni, xi, [w.momentum0, w.momentum]))
         self._multiply(self.scale)
@@ -193,11 +171,8 @@ class LRSchedule:
         self._set_from_schedule()
 
     def _set_from_schedule(self) -> None:
-        late = self.late is not None and self.epoch >= self.late.epoch
         for g in self.optimizer.param_groups:
-            g["lr"] = self.target(g, self.epoch)
-            if "weight_decay" in g:  # optimizers saved before the base decay was kept: no late epochs either
-                g["weight_decay"] = g.get("initial_decay", g["weight_decay"]) * (self.late.images if late else 1.0)
+            g["lr"] = g["initial_lr"] * self.fn(self.epoch)
 
     def _multiply(self, factor: float) -> None:
         if factor != 1:

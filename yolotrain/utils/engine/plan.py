@@ -21,7 +21,7 @@ import torch
 
 from yolotrain.utils.core.dist import BatchSplit, DistInfo
 from yolotrain.utils.engine.graphs import accumulation_problem, graphs_problems
-from yolotrain.utils.engine.optim import SHORT_RUN_BATCH, LateSteps, OptimizerChoice
+from yolotrain.utils.engine.optim import SHORT_RUN_BATCH, OptimizerChoice
 
 
 # The fewest images per rank whose BatchNorm batch statistics are trusted: a short run's micro-step trains on at
@@ -45,10 +45,8 @@ def images_per_step(global_batch: int, accumulate: int, parts: int) -> float:
 class StepPlan:
     """How this rank's batches become optimizer steps. A short run's large batch is cut into consecutive parts
     of at most ``part`` images, each its own step, and the warmup ramps per part (a tick), so on one rank a run
-    at global batch 64 takes the batch-16 run's steps on the same images at the same LR; with ``micro_epochs``
-    (--micro-steps early) only in those first epochs, and each batch is one step after them (still ``parts``
-    ticks of the warmup). Otherwise a tick is a batch, as in YOLOv5's warmup, and a step comes every
-    ``accumulate`` batches (and at each epoch's end)."""
+    at global batch 64 takes the batch-16 run's steps on the same images at the same LR. Otherwise a tick is a
+    batch, as in YOLOv5's warmup, and a step comes every ``accumulate`` batches (and at each epoch's end)."""
 
     global_batch: int  # images per batch over all ranks
     world_size: int
@@ -57,19 +55,16 @@ class StepPlan:
     part: int  # the most images of a rank's batch in one part
     batches_per_epoch: int  # per rank
     ticks_per_epoch: int  # the warmup's ticks per epoch on this rank: parts, or batches
-    micro_epochs: int | None = None  # the epochs whose batches are cut into parts (None: every epoch)
 
     @classmethod
-    def of(cls, batch: BatchSplit, nominal_batch: int, parts: int, samples: int,
-           micro_epochs: int | None = None) -> StepPlan:
+    def of(cls, batch: BatchSplit, nominal_batch: int, parts: int, samples: int) -> StepPlan:
         """``batch``: the global batch and its share per rank; ``nominal_batch``: the images per step the optimizer
         gathers to (accumulation); ``parts``: the steps a short run asks per batch; ``samples``: images per rank
-        per epoch (the last batch holds the rest); ``micro_epochs``: cut only the first that many epochs."""
+        per epoch (the last batch holds the rest)."""
         part = math.ceil(batch.per_rank / max(parts, 1))
         parts, (full, rest) = math.ceil(batch.per_rank / part), divmod(samples, batch.per_rank)
         return cls(batch.global_batch, batch.world_size, accumulate_steps(batch.global_batch, nominal_batch), parts,
-                   part, full + (rest > 0), full * parts + math.ceil(rest / part),
-                   micro_epochs if parts > 1 else None)
+                   part, full + (rest > 0), full * parts + math.ceil(rest / part))
 
     @property
     def batch(self) -> BatchSplit:
@@ -82,15 +77,6 @@ class StepPlan:
     @property
     def images_per_step(self) -> float:
         return images_per_step(self.global_batch, self.accumulate, self.parts)
-
-    def cuts(self, epoch: int) -> bool:
-        """Whether ``epoch``'s batches are cut into parts, each its own step."""
-        return self.parts > 1 and (self.micro_epochs is None or epoch < self.micro_epochs)
-
-    def late_steps(self, lr_gain: float) -> LateSteps | None:
-        """What the LR schedule changes when the batch becomes one step (``micro_epochs``): the steps see
-        ``parts`` times the images, at ``lr_gain`` times the LR; None when the plan never changes."""
-        return None if self.micro_epochs is None else LateSteps(self.micro_epochs, lr_gain, float(self.parts))
 
     @property
     def images_per_tick(self) -> float:
@@ -111,9 +97,7 @@ class StepPlan:
     def describe(self) -> str:
         """The start summary's words for it."""
         if self.parts > 1:
-            late = (f" for the first {self.micro_epochs} epochs, then one step per batch"
-                    if self.micro_epochs is not None else "")
-            return f"{self.parts} optimizer steps per batch (a step per {self.images_per_step:g} images){late}"
+            return f"{self.parts} optimizer steps per batch (a step per {self.images_per_step:g} images)"
         return f"accumulate {self.accumulate} (a step per {self.images_per_step:g} images)"
 
     def record(self) -> dict:
@@ -132,10 +116,7 @@ def explain(plan: StepPlan, choice: OptimizerChoice, micro_steps: str, by_device
             f"short-run AdamW (anchor-free and end-to-end models, short schedules); this run trains {choice.name}, "
             f"which gathers {choice.nominal_batch} images a step")
         return f"{steps}: {choice.name} gathers {choice.nominal_batch} images a step", unused
-    if plan.parts > 1 and plan.micro_epochs is not None:
-        why = (f"--micro-steps early: the batch-{SHORT_RUN_BATCH} run's steps while a short run learns most per step, "
-               f"then fewer, larger steps")
-    elif plan.parts > 1:
+    if plan.parts > 1:
         why = (f"the short run's AdamW takes the batch-{SHORT_RUN_BATCH} run's steps" if micro_steps in ("on", "auto")
                else f"--micro-steps {micro_steps}")
         if by_device:

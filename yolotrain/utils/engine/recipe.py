@@ -23,11 +23,10 @@ from yolotrain.utils.engine.plan import BN_BATCH_FLOOR, images_per_step
 AUTO_SGD_ITERATIONS = 10_000  # --optimizer auto: longer schedules (in nominal-batch steps) use SGD
 SHORT_LR_GAIN = 4.0  # the short-run AdamW LR over Ultralytics' 0.002 * 5 / (4 + nc) (docs/training.md)
 SHORT_LR_MAX = 0.004  # no gain lifts a short-run AdamW LR above this (the highest measured, at 11 classes: 0.0053)
-EARLY_SHARE = 0.25  # --micro-steps early: the share of the epochs in micro-steps before one step per batch
 MUSGD_CLASS_LR_GAIN = 3.0  # MuSGD trains the class branches at 3x the LR, as Ultralytics 8.4 does
 
-AutoRule = Callable[["Recipe", Hyp, int, int, BatchSplit, int, int, bool], OptimizerChoice]  # recipe, hyp, nc,
-# images, the batch split, epochs, step_images, early
+AutoRule = Callable[["Recipe", Hyp, int, int, BatchSplit, int, int], OptimizerChoice]  # recipe, hyp, nc, images,
+# the batch split, epochs, step_images
 
 
 @dataclass(frozen=True)
@@ -42,27 +41,26 @@ class Recipe:
     short_lr_gain: float = 1.0  # the short-run AdamW LR over Ultralytics' rule
 
     def optimizer(self, requested: str, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit,
-                  epochs: int, step_images: int = SHORT_RUN_BATCH, early: bool = False) -> OptimizerChoice:
+                  epochs: int, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
         """Resolve --optimizer: ``auto`` by this family's rule; a named optimizer with the hyp file's lr0,
         momentum and warmup_bias_lr as written, and 64 (MuSGD also gives the head's class branches
         MUSGD_CLASS_LR_GAIN times the LR). ``step_images``: a short run may cut a large batch into
-        optimizer steps of that many images (--micro-steps, resolved per device; 0: one step per batch), and
-        ``early``: only in the first EARLY_SHARE of the epochs, then one step per batch (--micro-steps early)."""
+        optimizer steps of that many images (--micro-steps, resolved per device; 0: one step per batch)."""
         if requested != "auto":
             return OptimizerChoice(requested, hyp.lr0, hyp.momentum, hyp.warmup_bias_lr, "as requested",
                                    class_lr_gain=MUSGD_CLASS_LR_GAIN if requested == "MuSGD" else 1.0)
-        return self.auto(self, hyp, nc, n_images, batch, epochs, step_images, early)
+        return self.auto(self, hyp, nc, n_images, batch, epochs, step_images)
 
 
 def yolov5_sgd(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit, epochs: int,
-               step_images: int = SHORT_RUN_BATCH, early: bool = False) -> OptimizerChoice:
+               step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-based heads: SGD with the hyp file's lr0, momentum and warmup, as YOLOv5 trains."""
     return OptimizerChoice("SGD", hyp.lr0, hyp.momentum, hyp.warmup_bias_lr,
                            "auto: anchor-based head, YOLOv5's SGD recipe with the hyp file's lr0")
 
 
 def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: BatchSplit,
-                    epochs: int, step_images: int = SHORT_RUN_BATCH, early: bool = False) -> OptimizerChoice:
+                    epochs: int, step_images: int = SHORT_RUN_BATCH) -> OptimizerChoice:
     """Anchor-free and end-to-end heads. Short schedules (<= AUTO_SGD_ITERATIONS optimizer steps at the
     nominal batch of 64) use AdamW at lr 0.002 * 5 / (4 + nc) (Ultralytics' rule) x the recipe's
     ``short_lr_gain`` (at most SHORT_LR_MAX: from scratch or fine-tuned, such a model is still far from
@@ -74,9 +72,7 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: Bat
     into micro-steps of ``step_images`` (``steps_per_batch``: an optimizer step per part of each rank's batch;
     16, the batch-16 run's steps, by default on a CPU, where a step's cost is its images; 0, one step per batch,
     on CUDA, where each step has a fixed cost: docs/benchmarks.md, "GPU training"), and what a step sees
-    beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most SHORT_LR_MAX. With ``early`` the cut
-    holds for the first EARLY_SHARE of the epochs (``late_steps``), when a short run learns most per step,
-    and a batch is one step after them. Long schedules use SGD
+    beyond SHORT_RUN_BATCH gives the LR x large_batch_gain, at most SHORT_LR_MAX. Long schedules use SGD
     at lr 0.01, momentum 0.9 with the hyp file's bias warmup and the nominal 64 (Ultralytics 8.3's choice;
     8.4 picks MuSGD there, which --optimizer MuSGD offers)."""
     batch_size = batch.global_batch
@@ -91,25 +87,13 @@ def short_run_adamw(recipe: Recipe, hyp: Hyp, nc: int, n_images: int, batch: Bat
     parts = steps_per_batch(batch, step_images) if step_images else 1
     # a step of one batch, or of a part: below SHORT_RUN_BATCH images a batch accumulates to it at the LR as it is
     gain = large_batch_gain(images_per_step(batch_size, 1, parts))
-    micro_epochs, late_lr = late_steps(lr, batch, epochs, parts) if early else (None, None)
     lr = max(lr, min(round(lr * gain, 7), SHORT_LR_MAX))
     family = f" x {recipe.short_lr_gain:g} (at most {SHORT_LR_MAX:g})" if gained else ""
     return OptimizerChoice("AdamW", lr, 0.9, 0.0,
                            f"auto: {iterations} steps of {step} images <= {AUTO_SGD_ITERATIONS}, a short schedule; "
                            f"lr 0.002 * 5 / (4 + {nc} classes){family}"
-                           + _step_note(batch_size, parts, gain, step_images, micro_epochs, late_lr),
-                           nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts, micro_epochs=micro_epochs,
-                           late_lr=late_lr)
-
-
-def late_steps(lr: float, batch: BatchSplit, epochs: int, parts: int) -> tuple[int | None, float | None]:
-    """--micro-steps early: the epochs a batch stays cut into ``parts`` steps (the first EARLY_SHARE of them), and
-    the LR of one step per batch after (``lr``, the steps' LR before any gain, x large_batch_gain of the whole
-    batch, at most SHORT_LR_MAX; what --micro-steps off trains at). (None, None) when nothing is cut."""
-    micro_epochs = max(1, math.ceil(epochs * EARLY_SHARE))
-    if parts == 1 or micro_epochs >= epochs:
-        return None, None
-    return micro_epochs, max(lr, min(round(lr * large_batch_gain(batch.global_batch), 7), SHORT_LR_MAX))
+                           + _step_note(batch_size, parts, gain, step_images),
+                           nominal_batch=SHORT_RUN_BATCH, steps_per_batch=parts)
 
 
 def steps_per_batch(batch: BatchSplit, step_images: int = SHORT_RUN_BATCH) -> int:
@@ -127,12 +111,8 @@ def large_batch_gain(step_images: float) -> float:
     return max(step_images / SHORT_RUN_BATCH, 1.0)
 
 
-def _step_note(batch_size: int, parts: int, gain: float, step_images: int = SHORT_RUN_BATCH,
-               micro_epochs: int | None = None, late_lr: float | None = None) -> str:
+def _step_note(batch_size: int, parts: int, gain: float, step_images: int = SHORT_RUN_BATCH) -> str:
     """How often the short-run AdamW steps at this global batch, and the LR gain that follows."""
-    if micro_epochs is not None:
-        return (f"; {parts} optimizer steps per batch of {batch_size} (a step per {batch_size / parts:g} images) "
-                f"for the first {micro_epochs} epochs, then a step every batch at lr {late_lr:g} (--micro-steps early)")
     if batch_size <= SHORT_RUN_BATCH and parts == 1:
         return f"; a step every {SHORT_RUN_BATCH} images, not {NOMINAL_BATCH}, for more updates"
     flag = f"--micro-steps {step_images}" if step_images not in (0, SHORT_RUN_BATCH) else ""

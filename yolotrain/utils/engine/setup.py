@@ -117,8 +117,7 @@ def build_training(cfg: RunConfig, info: DistInfo, device: torch.device, saved: 
     if not saved and not cfg.noautoanchor and recipe.autoanchor:  # before EMA and DDP copy the model
         fit_anchors(model, train_loader.dataset, hyp, imgsz, cfg.seed, info, force=na is not None)
     choice = (saved and saved.optimizer_choice) or choose_optimizer(cfg, recipe, hyp, len(names), data, batch)
-    plan = StepPlan.of(batch, choice.nominal_batch, choice.steps_per_batch, train_loader.sampler.num_samples,
-                       choice.micro_epochs)
+    plan = StepPlan.of(batch, choice.nominal_batch, choice.steps_per_batch, train_loader.sampler.num_samples)
     step = build_step(build_parts(cfg, hyp, model, choice, plan, imgsz, device), plan, info, device,
                       StepOptions(amp=bool(cfg.amp), graphs=cfg.cuda_graphs, sync_bn=cfg.sync_bn, compile=cfg.compile),
                       nan_recover=cfg.nan_recover, extras=[build(model) for build in STEP_EXTRAS])
@@ -144,10 +143,8 @@ def build_parts(cfg: RunConfig, hyp: Hyp, model: nn.Module, choice: OptimizerCho
     warmup = Warmup(iters=warmup_iters(hyp.warmup_epochs, plan.ticks_per_epoch, None if cfg.time else cfg.epochs,
                                        round(plan.images_per_tick)),
                     bias_lr=choice.warmup_bias_lr, momentum0=hyp.warmup_momentum, momentum=choice.momentum)
-    late = plan.late_steps(choice.late_lr / choice.lr) if choice.late_lr else None  # --micro-steps early
     return StepParts(model=model, criterion=model.detect.build_criterion(hyp, imgsz), optimizer=optimizer,
-                     scaler=scaler, ema=ModelEMA(model),
-                     lr=LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr, late))
+                     scaler=scaler, ema=ModelEMA(model), lr=LRSchedule(optimizer, warmup, cfg.epochs, hyp.lrf, cfg.cos_lr))
 
 
 def make_run_dir(cfg: RunConfig, info: DistInfo, hyp: Hyp, resumed: bool) -> Path:

@@ -168,8 +168,6 @@ class Step:
         """An epoch starts at ``batches_done`` (a resumed mid-epoch checkpoint's, whose running loss the step
         loaded); each epoch ended on an optimizer step."""
         self.module.train()
-        if epoch == self.plan.micro_epochs and not batches_done:  # whole batches from here: their own graphs
-            self.loss.recapture()
         self.epoch, self.accumulate = epoch, self.plan.accumulate
         self.last_opt_step = epoch * self.plan.batches_per_epoch + batches_done - 1
         resumed = batches_done and self.agreed is not None
@@ -312,16 +310,10 @@ class MicroSteps(Step):
     """A short run's large batch: per part, the warmup's LR, forward, backward and an optimizer step, so the run
     takes the batch-16 run's steps while the loader, the device feed and the step's host sync work per batch.
     Every rank's batch has the same length, so the parts (and DDP's all-reduces) match across ranks. The recovery
-    state is the batch's start: a non-finite loss agreed at check_step rolls back the whole batch. In the plan's
-    late epochs (--micro-steps early) the batch is one step, taken as an accumulating step takes it."""
+    state is the batch's start: a non-finite loss agreed at check_step rolls back the whole batch."""
 
     def _train(self, images: torch.Tensor, targets: torch.Tensor, i: int, ni: int) -> tuple[torch.Tensor, bool]:
         """The loss items are the parts' mean weighted by images; every batch ends on a step."""
-        if not self.plan.cuts(self.epoch):
-            self.lr.warmup_step(self.plan.tick(self.epoch, i), self.epoch)
-            loss, items = self.forward(images, targets, sync=True)
-            self.backward(loss)
-            return items, True
         n = images.shape[0]
         items = torch.zeros((), device=images.device)
         for j, part in enumerate(self.plan.slices(n)):
@@ -336,11 +328,6 @@ class MicroSteps(Step):
             self.optimizer_step()
             items = items + loss_items.detach() * ((part.stop - part.start) / n)
         return items, True
-
-    def _commit(self) -> None:
-        if not self.plan.cuts(self.epoch):  # the batch's one step, agreed finite
-            self.recovery.remember()
-            self.optimizer_step()
 
 
 def build_step(parts: StepParts, plan: StepPlan, info: DistInfo, device: torch.device, options: StepOptions,
