@@ -3,7 +3,7 @@
 trainer builds, and the seconds they take at a GPU's measured cost per step and per image.
 
     python bench/step_cost.py                                     # 800 images, 30 epochs, batch 64 and 128
-    python bench/step_cost.py --images 800 --epochs 30 --batch-size 64 --rules on off early 32
+    python bench/step_cost.py --images 800 --epochs 30 --batch-size 64 --rules on off 32
 
 Why: on a GPU each optimizer step has a fixed cost (launches, the loss's assignment, the optimizer, the EMA, the
 host's Python) beside the cost of its images, so rules that train the same images in more steps cost more; on a
@@ -17,6 +17,7 @@ them). The seconds are those two figures applied to the counts, not a timing.
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -32,20 +33,18 @@ from yolotrain.utils.engine.plan import BN_BATCH_FLOOR, StepPlan  # noqa: E402
 from yolotrain.utils.engine.recipe import RECIPES  # noqa: E402
 
 STEP_MS, IMAGE_MS = 55.4, 0.219  # H100 host 3, yolov8n, 640 px (the docstring's derivation)
-RULES = ("on", "off", "early")
+RULES = ("on", "off")
 
 
 def steps_and_images(rule: str, images: int, epochs: int, batch: int, nc: int = 11) -> tuple[int, int, str]:
-    """One rank's optimizer steps and images over the run under --micro-steps ``rule``, and the lr line."""
+    """One rank's optimizer steps and images over the run under --micro-steps ``rule``, and its lr."""
     split = BatchSplit(batch, 1)
     choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc, images, split, epochs,
-                                              step_images=micro_step_images(rule), early=rule == "early")
-    plan = StepPlan.of(split, choice.nominal_batch, choice.steps_per_batch, images, choice.micro_epochs)
-    # a cut epoch takes a step per part (its warmup ticks), any other one per batch (no accumulation above 16)
-    steps = sum(plan.ticks_per_epoch if plan.cuts(e) else plan.batches_per_epoch for e in range(epochs))
-    lr = f"{choice.lr:g}" + (f", then {choice.late_lr:g} from epoch {choice.micro_epochs + 1}"
-                             if choice.micro_epochs is not None else "")
-    return steps, images * epochs, lr
+                                              step_images=micro_step_images(rule))
+    plan = StepPlan.of(split, choice.nominal_batch, choice.steps_per_batch, images)
+    # a cut batch takes a step per part (its warmup ticks), a whole one a step per batch (no accumulation above 16)
+    per_epoch = plan.ticks_per_epoch if plan.parts > 1 else math.ceil(plan.batches_per_epoch / plan.accumulate)
+    return per_epoch * epochs, images * epochs, f"{choice.lr:g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=Range(int, min=1), default=30)
     p.add_argument("--batch-size", type=Range(int, min=1), nargs="+", default=[64, 128], help="global batch(es)")
     p.add_argument("--rules", type=WordOrRange(RULES, Range(int, min=BN_BATCH_FLOOR)), nargs="+", default=list(RULES),
-                   help="--micro-steps values to count")
+                   help="--micro-steps values to count (on, off, or N images a step)")
     p.add_argument("--step-ms", type=Range(float, min=0), default=STEP_MS, help="a GPU's fixed cost per step, ms")
     p.add_argument("--image-ms", type=Range(float, min=0), default=IMAGE_MS, help="its cost per image, ms")
     opt = p.parse_args(argv)

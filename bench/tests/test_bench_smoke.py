@@ -162,13 +162,13 @@ def test_index_scale_opens_a_synthetic_index_in_a_two_node_job(tmp_path):
 
 
 def test_step_cost_counts_each_rules_steps_from_the_plan():
-    p = _bench("step_cost", "--images", 800, "--epochs", 30, "--batch-size", 16, 64, "--rules", "on", "off", "early")
+    p = _bench("step_cost", "--images", 800, "--epochs", 30, "--batch-size", 16, 64, "--rules", "on", "off", 32)
     rows = {(int(m[1]), m[2]): (int(m[3]), int(m[4]), float(m[5]))
             for m in re.finditer(rf"^\s+(\d+)\s+(\w+)\s+(\d+)\s+(\d+)\s+({NUM})\s", p.stdout, re.M)}
-    assert {rows[16, r][0] for r in ("on", "off", "early")} == {1500}  # a batch of 16 is one step under every rule
-    assert (rows[64, "on"][0], rows[64, "off"][0], rows[64, "early"][0]) == (1500, 390, 8 * 50 + 22 * 13)
+    assert {rows[16, r][0] for r in ("on", "off", "32")} == {1500}  # a batch of 16 is one step under every rule
+    assert (rows[64, "on"][0], rows[64, "32"][0], rows[64, "off"][0]) == (1500, 750, 390)  # 13 batches an epoch
     assert {v[1] for v in rows.values()} == {24000}  # the same images under every rule
-    assert rows[64, "off"][2] < rows[64, "early"][2] < rows[64, "on"][2]
+    assert rows[64, "off"][2] < rows[64, "32"][2] < rows[64, "on"][2]
 
 
 # ---------------------------------------------------------------------------------------------- storage_speed
