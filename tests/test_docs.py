@@ -297,6 +297,23 @@ def test_memory_format_defaults_match_code(monkeypatch):
     assert rows >= 2, "the --channels-last rows of training.md and deploy.md were not found"
 
 
+def harmless_resume_flags(text: str) -> set[str]:
+    """The flags of distributed.md's "Harmless ones (...) apply" sentence, as config names."""
+    m = re.search(r"Harmless ones\s*\((.*?)\)\s*apply", text, re.S)
+    assert m, "distributed.md's sentence of the arguments a resume may change was not found"
+    return {f.replace("-", "_") for f in re.findall(r"`--([a-z-]+)`", m.group(1))}
+
+
+def test_the_resume_harmless_list_is_the_code_s():
+    from yolotrain.utils.engine.config import RESUME_HARMLESS
+    assert harmless_resume_flags((DOCS / "distributed.md").read_text(encoding="utf-8")) == RESUME_HARMLESS
+
+
+def test_harmless_resume_reading():
+    assert harmless_resume_flags("Harmless ones (`--device`, more `--epochs`,\n`--cache-dir`) apply.") == {
+        "device", "epochs", "cache_dir"}
+
+
 def test_memory_format_rule(monkeypatch):
     expected = channels_last_expected(monkeypatch)
     assert memory_format_problems("NHWC on CPU, NCHW on CUDA", expected)

@@ -163,6 +163,27 @@ def test_micro_steps_are_on_for_a_cpu_and_off_on_cuda_unless_asked():
     assert small == rule.optimizer("auto", Hyp(), nc=80, n_images=800, batch=BatchSplit(16, 1), epochs=30)  # nothing to cut
 
 
+def test_cuda_s_default_plan_is_the_cpu_s_micro_steps_off_and_differs_from_the_cpu_default():
+    """The stated difference between devices: at global batch 64 a CPU's --micro-steps auto cuts each batch into
+    four AdamW steps of 16 at lr 0.002668, CUDA's takes one step per batch at 0.004; CUDA's choice and plan are
+    exactly what --micro-steps off gives a CPU run, so a GPU user's default can be trained on a CPU. At batch 16
+    the two devices train the same steps."""
+    from yolotrain.utils.engine.config import micro_steps_default
+    from yolotrain.utils.engine.plan import StepPlan
+
+    def plan(flag: str, device: str, batch: int = 64):
+        resolved = micro_steps_default(flag, torch.device(device))
+        choice = RECIPES["anchor-free"].optimizer("auto", Hyp(), nc=11, n_images=800, batch=BatchSplit(batch, 1),
+                                                  epochs=30, step_images=micro_step_images(resolved))
+        return choice, StepPlan.of(BatchSplit(batch, 1), choice.nominal_batch, choice.steps_per_batch, 800)
+
+    assert plan("auto", "cuda") == plan("off", "cpu")
+    (cpu, cpu_plan), (cuda, cuda_plan) = plan("auto", "cpu"), plan("auto", "cuda")
+    assert (cpu.lr, cpu_plan.parts, cpu_plan.images_per_step) == (0.002668, 4, 16)
+    assert (cuda.lr, cuda_plan.parts, cuda_plan.images_per_step) == (0.004, 1, 64)
+    assert plan("auto", "cpu", 16) == plan("auto", "cuda", 16)
+
+
 def test_micro_steps_of_n_images_cut_a_large_batch_into_steps_of_n():
     """--micro-steps N: a short run's batch above N takes one AdamW step per N images (each rank's part keeping
     8), the lr x N / 16 as a batch of N stepping once; the reason names the flag. Below 8, or a word it does

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.bench  # `pytest bench/tests` (CI's second step), not t
 
 NUM = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 COVERED = {"cache_memory", "coco128_val", "compare_ultralytics", "compare_yolov5", "convert_parity", "identity", "index_scale",
-           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "step_launches", "storage_speed", "train_speed",
+           "infer_speed", "loader_speed", "metrics_speed", "model_table", "photo_dataset", "scan_speed", "shared_cores", "step_cost", "step_launches", "storage_speed", "train_speed",
            "ultralytics_loader", "val_speed"}
 NOT_SCRIPTS = {"convert_parity_shims": "helper module", "cocoeval": "helper module", "gpu_train": "tests/test_bench_gpu_train.py"}
 
@@ -156,6 +156,19 @@ def test_index_scale_opens_a_synthetic_index_in_a_two_node_job(tmp_path):
     assert all(int(m[4]) > 0 and int(m[5]) > 0 for m in ranks)  # RSS and PSS of each of the four ranks
     _finite(_line(out, rf"slowest rank to its first sample key: ({NUM}) s")[1])
     _line(out, rf"index mappings, PSS of all four ranks together: ({NUM}) MiB")
+
+
+# ---------------------------------------------------------------------------------------------- step_cost
+
+
+def test_step_cost_counts_each_rules_steps_from_the_plan():
+    p = _bench("step_cost", "--images", 800, "--epochs", 30, "--batch-size", 16, 64, "--rules", "on", "off", 32)
+    rows = {(int(m[1]), m[2]): (int(m[3]), int(m[4]), float(m[5]))
+            for m in re.finditer(rf"^\s+(\d+)\s+(\w+)\s+(\d+)\s+(\d+)\s+({NUM})\s", p.stdout, re.M)}
+    assert {rows[16, r][0] for r in ("on", "off", "32")} == {1500}  # a batch of 16 is one step under every rule
+    assert (rows[64, "on"][0], rows[64, "32"][0], rows[64, "off"][0]) == (1500, 750, 390)  # 13 batches an epoch
+    assert {v[1] for v in rows.values()} == {24000}  # the same images under every rule
+    assert rows[64, "off"][2] < rows[64, "32"][2] < rows[64, "on"][2]
 
 
 # ---------------------------------------------------------------------------------------------- storage_speed

@@ -205,7 +205,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", nargs="?", const="ram", choices=["ram", "disk"], default=None,
                    help="cache resized images in RAM (/dev/shm) or on disk, one copy shared by every rank and worker "
                         "of a node")
-    p.add_argument("--cache-dir", default=None, help="where label caches go when the dataset folder is read-only")
+    p.add_argument("--cache-dir", default=None,
+                   help="where label caches go when the dataset folder is read-only (else ~/.cache/yolotrain), and "
+                        "a node's copies of a shard index and its shards (else the temp folder)")
 
 
 def add_channels_last_flag(p: argparse.ArgumentParser) -> None:
